@@ -1,0 +1,30 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 30000
+ARGS ?=
+
+.PHONY: install serve test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(PY) -m launch_server --host $(HOST) --port $(PORT) $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check srt launch test benchmark
+
+test: lint
+	$(PY) -m pytest -q -x test
+
+bench: install
+	$(PY) benchmark/bench_one_batch.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+print("launch_server placeholder")

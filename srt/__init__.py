@@ -1,0 +1,1 @@
+"""srt: an SGLang-style serving runtime for Mixture-of-Experts models."""

@@ -1,0 +1,47 @@
+"""The attention backend interface."""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.layers.radix_attention import RadixAttention
+    from srt.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(abc.ABC):
+    """A kernel family for paged attention.
+
+    A backend must:
+    - ``init_forward_metadata(batch)``: prepare whatever the kernels need for this batch (index
+      tables, masks) once per forward, and store it on ``batch.attn_metadata``;
+    - ``forward_extend`` / ``forward_decode``: write the new tokens' K/V at
+      ``batch.out_cache_loc`` (when ``save_kv_cache``), then attend each query to its sequence's
+      cached prefix and to the new tokens causally. q: [T, H, D]; k: [T, Hk, D]; v: [T, Hk, Dv];
+      returns [T, H, Dv]. Padded tokens (``out_cache_loc == 0``) may produce anything.
+    """
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    @abc.abstractmethod
+    def forward_extend(
+        self, q, k, v, layer: RadixAttention, batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def forward_decode(
+        self, q, k, v, layer: RadixAttention, batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self, q, k, v, layer: RadixAttention, batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> torch.Tensor:
+        if batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, batch, save_kv_cache)
+        if batch.forward_mode.is_idle():
+            return q.new_empty(0, layer.num_heads, layer.v_head_dim)
+        return self.forward_extend(q, k, v, layer, batch, save_kv_cache)

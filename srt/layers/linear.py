@@ -1,0 +1,145 @@
+"""Linear layers with per-parameter weight loaders, ready for tensor parallelism.
+
+Each layer owns the slice of the full weight that its rank holds; ``weight_loader`` receives the
+full checkpoint tensor and copies the rank's slice, checking shapes. With ``tp_size == 1`` the
+slice is the whole tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint {tuple(loaded.shape)}, "
+            f"model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    copy_checked(param, loaded, name or "parameter")
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        in_local, out_local = self.local_sizes()
+        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def local_sizes(self) -> tuple[int, int]:
+        return self.input_size, self.output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        copy_checked(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, 0, 1)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across ranks."""
+
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
+
+    def local_sizes(self) -> tuple[int, int]:
+        return self.input_size, _divide(self.output_size, self.tp_size, "output size")
+
+    def weight_loader(self, param, loaded, name=""):
+        shard = param.shape[0]
+        copy_checked(
+            param,
+            loaded.narrow(0, self.tp_rank * shard, shard)
+            if loaded.shape[0] == shard * self.tp_size
+            else loaded,
+            name,
+        )
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; the caller reduces the partial outputs."""
+
+    def __init__(self, input_size, output_size, bias=False, tp_rank=0, tp_size=1):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
+
+    def local_sizes(self) -> tuple[int, int]:
+        return _divide(self.input_size, self.tp_size, "input size"), self.output_size
+
+    def weight_loader(self, param, loaded, name=""):
+        if (
+            param.dim() == 2
+            and loaded.dim() == 2
+            and loaded.shape[1] == param.shape[1] * self.tp_size
+        ):
+            loaded = loaded.narrow(1, self.tp_rank * param.shape[1], param.shape[1])
+        copy_checked(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Bias is added once (rank 0) so a sum over ranks adds it exactly once.
+        bias = self.bias if self.tp_rank == 0 else None
+        return F.linear(x, self.weight, bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored in one weight, e.g. gate_proj | up_proj.
+
+    ``shard_id`` is the index of the checkpoint tensor in ``output_sizes``.
+    """
+
+    def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, name="", shard_id: int | None = None):
+        if shard_id is None:
+            return super().weight_loader(param, loaded, name)
+        local = [_divide(s, self.tp_size, "output size") for s in self.output_sizes]
+        offset = sum(local[:shard_id])
+        rows = local[shard_id]
+        src = loaded.narrow(0, self.tp_rank * rows, rows)
+        copy_checked(param.data.narrow(0, offset, rows), src, name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q_proj | k_proj | v_proj in one weight; KV heads are replicated when fewer than ranks."""
+
+    def __init__(
+        self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1
+    ):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, name="", shard_id: str | None = None):
+        if shard_id is None:
+            return super().weight_loader(param, loaded, name)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        src = loaded.narrow(0, rank * rows, rows)
+        copy_checked(param.data.narrow(0, offset, rows), src, name)

@@ -1,0 +1,78 @@
+"""Routed experts: stacked expert weights and their forward on CPU or GPU in plain PyTorch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.layers.linear import copy_checked
+
+
+class FusedMoE(nn.Module):
+    """Experts ``[start, start + num_local)`` of ``num_experts``, weights stacked:
+    ``w13_weight`` [E_local, 2·I, H] (gate | up) and ``w2_weight`` [E_local, H, I]."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+    ):
+        super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split over {ep_size} ranks")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.start = ep_rank * self.num_local_experts
+        self.intermediate_size = intermediate_size
+        e, i, h = self.num_local_experts, intermediate_size, hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2_weight = nn.Parameter(torch.empty(e, h, i))
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str, expert_id: int
+    ) -> None:
+        local = expert_id - self.start
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert
+        i = self.intermediate_size
+        dst = {"w1": lambda p: p[:i], "w3": lambda p: p[i:], "w2": lambda p: p}[shard_id](
+            param.data[local]
+        )
+        copy_checked(dst, loaded, name)
+
+    def forward(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states [T, H]; topk_* [T, topk] with global ids → Σ_k w·expert(x), [T, H].
+
+        Ids outside this rank's range contribute nothing (they are another rank's)."""
+        out = torch.zeros_like(hidden_states)
+        if hidden_states.shape[0] == 0:
+            return out
+        top_k = topk_ids.shape[1]
+        local_ids = (topk_ids - self.start).flatten()  # [T·topk]
+        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
+        local_ids = local_ids.masked_fill(outside, self.num_local_experts)  # sorts last
+        order = torch.argsort(local_ids, stable=True)
+        counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1).tolist()
+        weights = topk_weights.flatten()
+        begin = 0
+        for e in range(self.num_local_experts):
+            n = counts[e]
+            if n == 0:
+                continue
+            sel = order[begin : begin + n]
+            begin += n
+            tokens = sel // top_k
+            x = hidden_states[tokens]
+            gate_up = F.linear(x, self.w13_weight[e])
+            h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+            y = F.linear(h, self.w2_weight[e]) * weights[sel, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out

@@ -1,0 +1,87 @@
+"""A sparse MoE block (router, routed experts, optional shared experts) as layer operations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.batch_overlap.operations import LayerState
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
+from srt.layers.moe.topk import TopKConfig, select_experts
+
+
+class MoEGate(nn.Module):
+    """Router weights, named as in HF checkpoints (``mlp.gate.weight`` and, for DeepSeek-V3,
+    ``mlp.gate.e_score_correction_bias``)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, with_correction_bias: bool, fp32_logits: bool
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(num_experts), requires_grad=False)
+            if with_correction_bias
+            else None
+        )
+        self.fp32_logits = fp32_logits
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.fp32_logits:
+            return F.linear(hidden_states.float(), self.weight.float())  # [T, E]
+        return F.linear(hidden_states, self.weight)  # [T, E]
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        gate: MoEGate,
+        experts: FusedMoE,
+        topk_config: TopKConfig,
+        shared_experts: nn.Module | None = None,
+    ):
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+        self.topk_config = topk_config
+        self.dispatcher: TokenDispatcher = StandardDispatcher()
+
+    def op_gate(self, state: LayerState) -> None:
+        state.put(router_logits=self.gate(state.get("mlp_input")))
+
+    def op_select_experts(self, state: LayerState) -> None:
+        logits = state.pop("router_logits")
+        state.put(
+            topk_output=select_experts(logits, self.topk_config, self.gate.e_score_correction_bias)
+        )
+
+    def op_dispatch_a(self, state: LayerState) -> None:
+        hidden = state.get("mlp_input") if self.shared_experts else state.pop("mlp_input")
+        weights, ids = state.pop("topk_output")
+        self.dispatcher.dispatch_a(hidden, weights, ids)
+
+    def op_dispatch_b(self, state: LayerState) -> None:
+        state.put(dispatch_output=self.dispatcher.dispatch_b())
+
+    def op_experts(self, state: LayerState) -> None:
+        hidden, weights, ids = state.pop("dispatch_output")
+        state.put(expert_output=self.experts(hidden, weights, ids))
+
+    def op_combine_a(self, state: LayerState) -> None:
+        self.dispatcher.combine_a(state.pop("expert_output"))
+
+    def op_combine_b(self, state: LayerState) -> None:
+        state.put(routed_output=self.dispatcher.combine_b())
+
+    def op_shared_experts(self, state: LayerState) -> None:
+        state.put(shared_output=self.shared_experts(state.pop("mlp_input")))
+
+    def op_output(self, state: LayerState) -> None:
+        out = state.pop("routed_output")
+        if self.shared_experts is not None:
+            out = out + state.pop("shared_output")
+        state.put(mlp_output=out)

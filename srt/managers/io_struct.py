@@ -1,0 +1,173 @@
+"""Messages between the tokenizer, scheduler and detokenizer (plain dataclasses, picklable).
+
+Logprob entries travel as ``(logprob, token_id)`` pairs (logprob None for the first prompt
+token); top-logprob entries as a list of such pairs per position (None for the first prompt
+token). The tokenizer side adds the text when it builds ``meta_info``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from srt.sampling.sampling_params import SamplingParams
+
+LogprobPair = tuple[float | None, int]
+TopLogprobs = list[LogprobPair] | None
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+@dataclass
+class GenerateReqInput:
+    """A /generate request: one prompt or a batch (SGLang's fields)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    stream: bool = False
+    # Set by normalize_batch_and_arguments().
+    is_single: bool = True
+    batch_size: int = 1
+
+    def normalize_batch_and_arguments(self) -> None:
+        """Check the prompt fields and expand every per-request field to a list when batched."""
+        self._check_prompt()
+        n = self.batch_size
+        self.sampling_params = self._expand("sampling_params", self.sampling_params, dict, {})
+        self.return_logprob = self._expand("return_logprob", self.return_logprob, bool, False)
+        self.logprob_start_len = self._expand("logprob_start_len", self.logprob_start_len, int, -1)
+        self.top_logprobs_num = self._expand("top_logprobs_num", self.top_logprobs_num, int, 0)
+        if self.rid is None:
+            self.rid = [uuid.uuid4().hex for _ in range(n)]
+        self.rid = self._expand("rid", self.rid, str, None)
+        if len(set(self.rid)) != n:
+            raise ValueError("rid: request ids in a batch must be distinct")
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be a boolean, got {self.stream!r}")
+
+    def _check_prompt(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text and input_ids must be given")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                self.is_single, self.text = True, [self.text]
+            elif isinstance(self.text, list) and self.text and all(
+                isinstance(t, str) for t in self.text
+            ):
+                self.is_single = False
+            else:
+                raise ValueError("text must be a string or a non-empty list of strings")
+            self.batch_size = len(self.text)
+            return
+        if _is_token_list(self.input_ids) and self.input_ids:
+            self.is_single, self.input_ids = True, [self.input_ids]
+        elif isinstance(self.input_ids, list) and self.input_ids and all(
+            _is_token_list(x) and x for x in self.input_ids
+        ):
+            self.is_single = False
+        else:
+            raise ValueError("input_ids must be a non-empty list of ints or of such lists")
+        self.batch_size = len(self.input_ids)
+
+    def _expand(self, name: str, value: Any, kind: type, default: Any) -> list:
+        if value is None:
+            return [default] * self.batch_size
+        if isinstance(value, list):
+            if self.is_single and kind is not list:
+                raise ValueError(f"{name}: a list was given for a single prompt")
+            if len(value) != self.batch_size:
+                raise ValueError(
+                    f"{name}: {len(value)} values for a batch of {self.batch_size} prompts"
+                )
+            items = value
+        else:
+            items = [value] * self.batch_size
+        for item in items:
+            ok = item is None or (isinstance(item, kind) and not (
+                kind is int and isinstance(item, bool)))
+            if not ok:
+                raise ValueError(f"{name} must be {kind.__name__}, got {item!r}")
+        return [default if item is None else item for item in items]
+
+    def __getitem__(self, i: int) -> GenerateReqInput:
+        """The i-th request of a normalized batch, as a single request."""
+        return GenerateReqInput(
+            text=None if self.text is None else self.text[i],
+            input_ids=None if self.input_ids is None else self.input_ids[i],
+            sampling_params=self.sampling_params[i],
+            rid=self.rid[i],
+            return_logprob=self.return_logprob[i],
+            logprob_start_len=self.logprob_start_len[i],
+            top_logprobs_num=self.top_logprobs_num[i],
+            stream=self.stream,
+        )
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """One scheduler step's news for some requests: the token ids generated since the last
+    message for that rid (``output_ids`` are deltas) and, once finished, the finish reason."""
+
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    output_ids: list[list[int]]  # new ids since the previous message of this rid
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # Deltas as well; empty lists when logprobs were not asked for.
+    input_token_logprobs: list[list[LogprobPair]] = field(default_factory=list)
+    input_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
+    output_token_logprobs: list[list[LogprobPair]] = field(default_factory=list)
+    output_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    """The detokenizer's answer to a BatchTokenIDOutput: ``output_strs`` is the whole text so
+    far (stop strings trimmed once finished); other fields as in BatchTokenIDOutput."""
+
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    output_strs: list[str]
+    output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    input_token_logprobs: list[list[LogprobPair]] = field(default_factory=list)
+    input_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)
+    output_token_logprobs: list[list[LogprobPair]] = field(default_factory=list)
+    output_top_logprobs: list[list[TopLogprobs]] = field(default_factory=list)

@@ -1,0 +1,125 @@
+"""Which waiting requests join the next prefill batch.
+
+SchedulePolicy orders the waiting queue (fcfs, or lpm: longest cached prefix first) and matches
+each request's prefix. PrefillAdder admits requests while the KV budget allows: free plus
+evictable slots, minus the room reserved for the decode of running requests (their remaining
+``max_new_tokens`` scaled by ``new_token_ratio``, as SGLang), and cuts a prompt that exceeds the
+chunk budget into a chunk (chunked prefill).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+from srt.managers.schedule_batch import BatchContext, Req
+
+# SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION: reserve at most this many decode tokens per request.
+CLIP_MAX_NEW_TOKENS = 4096
+# SGLang's defaults: start at 0.7, decay to 0.7 * 0.14 over 600 decode steps.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+RETRACT_DECODE_STEPS = 20
+
+
+class NewTokenRatio:
+    """The share of their remaining max_new_tokens that running requests are expected to use.
+
+    It decays while decoding goes well and jumps up after a retraction."""
+
+    def __init__(self) -> None:
+        self.value = INIT_NEW_TOKEN_RATIO
+
+    def decay(self) -> None:
+        self.value = max(self.value - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def on_retract(self, running: list[Req]) -> None:
+        decoded = sum(len(r.output_ids) for r in running)
+        max_new = sum(r.sampling_params.max_new_tokens for r in running)
+        estimate = (decoded + RETRACT_DECODE_STEPS * len(running)) / max(max_new, 1)
+        self.value = min(1.0, max(self.value, estimate))
+
+
+def decode_reserve(req: Req, ratio: float) -> int:
+    remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+    return int(min(remaining, CLIP_MAX_NEW_TOKENS) * ratio)
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any):
+        self.policy, self.tree_cache = policy, tree_cache
+
+    def calc_priority(self, waiting: list[Req]) -> None:
+        """Match every waiting request's prefix; with lpm, sort longest match first."""
+        for req in waiting:
+            req.init_next_round_input(self.tree_cache)
+        if self.policy == "lpm":
+            waiting.sort(key=lambda r: -len(r.prefix_indices))
+
+
+class AddReqResult(Enum):
+    CONTINUE = auto()  # admitted; try the next request
+    NO_TOKEN = auto()  # out of KV budget
+    OTHER = auto()  # another limit (batch size, prefill tokens, chunk budget)
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        ctx: BatchContext,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+        max_new_reqs: int,
+    ):
+        self.ctx = ctx
+        self.running_reserve = sum(decode_reserve(r, new_token_ratio) for r in running)
+        self.num_running = len(running)
+        self.admitted_cost = 0
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.max_new_reqs = max_new_reqs
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def rem_total_tokens(self) -> int:
+        return self.ctx.decode_room() - self.running_reserve - self.admitted_cost
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prefill first; its prefix is already locked."""
+        req.init_chunk_continuation()
+        self._take(req, locked=True)
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        if len(self.can_run_list) >= self.max_new_reqs:
+            return AddReqResult.OTHER
+        if self.rem_chunk_tokens == 0 or (self.rem_input_tokens <= 0 and self.can_run_list):
+            return AddReqResult.OTHER
+        if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+        cost = req.extend_input_len + decode_reserve(req, 1.0)
+        if cost > self.rem_total_tokens() and not self._lone(req):
+            return AddReqResult.NO_TOKEN
+        self._take(req, locked=False)
+        return AddReqResult.CONTINUE
+
+    def _lone(self, req: Req) -> bool:
+        """Nothing else runs: admit whatever fits now (max_new_tokens is clamped to the pool)."""
+        alone = self.num_running == 0 and not self.can_run_list
+        return alone and req.extend_input_len < self.rem_total_tokens()
+
+    def _take(self, req: Req, locked: bool) -> None:
+        if not locked:
+            self.ctx.tree_cache.inc_lock_ref(req.last_node)
+        if self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens:
+            req.truncate_chunk(self.rem_chunk_tokens)
+        if not req.is_last_chunk():
+            self.new_chunked_req = req
+        self.can_run_list.append(req)
+        reserve = decode_reserve(req, 1.0) if req.is_last_chunk() else 0
+        self.admitted_cost += req.extend_input_len + reserve
+        self.rem_input_tokens -= req.extend_input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= req.extend_input_len

@@ -1,0 +1,89 @@
+"""ForwardMode and ForwardBatch: the tensors one model forward needs.
+
+The batch is passed explicitly through the model (no global "current batch"), because TBO keeps
+two micro-batches alive at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.layers.attention.base_attn_backend import AttentionBackend
+    from srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
+    from srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill, possibly with a cached prefix or as a chunk
+    DECODE = auto()  # one new token per sequence
+    MIXED = auto()  # extend and decode sequences in one batch
+    IDLE = auto()  # no sequences: a rank without work joins the collectives
+    TARGET_VERIFY = auto()  # speculative decoding: verify draft tokens
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors of one forward pass.
+
+    Token-level fields have one row per token of the batch (extend: the new tokens of every
+    sequence, concatenated; decode: one per sequence). Sequence-level fields have one row per
+    sequence. ``*_cpu`` fields are Python lists mirroring device tensors, for bookkeeping that
+    must not synchronise the device.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int64, total length (prefix + new) after this step
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # [T] int64, KV slots the new tokens are written to
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: KVCache
+    attn_backend: AttentionBackend | None = None
+    # Extend only: per sequence, tokens already cached and tokens computed now.
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens: torch.Tensor | None = None  # [B]
+    extend_seq_lens: torch.Tensor | None = None  # [B]
+    extend_start_loc: torch.Tensor | None = None  # [B] offset of each sequence's first token
+    # Logprobs: for extend, the first position (relative to the new tokens) whose logits are
+    # needed for input logprobs; len == B. None means only the last token's logits.
+    return_logprob: bool = False
+    extend_logprob_start_lens_cpu: list[int] | None = None
+    top_logprobs_nums: list[int] | None = None
+    sampling_info: SamplingBatchInfo | None = None
+    # Attention-backend private metadata, set by init_forward_metadata.
+    attn_metadata: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device

@@ -1,0 +1,104 @@
+"""ModelRunner: loads the model, sizes and owns the KV pools and the attention backend, runs
+the forward pass and sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.sampler import Sampler
+from srt.mem_cache.allocator import TokenToKVPoolAllocator
+from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_loader.config import ModelConfig
+from srt.model_loader.loader import load_model
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None):
+        self.server_args = server_args
+        self.device = torch.device(server_args.device)
+        self.model_config = model_config or ModelConfig.from_server_args(server_args)
+        self._init_model()
+        self._init_memory_pools()
+        self.attn_backend = TorchNativeAttnBackend()
+        self.sampler = Sampler(server_args.random_seed)
+
+    def _init_model(self) -> None:
+        torch.manual_seed(self.server_args.random_seed)
+        self.model = load_model(self.model_config, self.device)
+
+    def _make_kv_pool(self, size: int) -> KVCache:
+        cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype
+        layers = cfg.num_hidden_layers
+        if self.model_config.is_mla:
+            return MLATokenToKVPool(
+                size, dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, layers, self.device
+            )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return MHATokenToKVPool(size, dtype, cfg.num_key_value_heads, head_dim, layers, self.device)
+
+    def _profile_max_num_tokens(self) -> int:
+        sa = self.server_args
+        per_token = self._make_kv_pool(0).bytes_per_token()
+        budget = available_memory_bytes(sa.device) * sa.mem_fraction_static
+        tokens = int(budget // per_token)
+        if sa.max_total_tokens is not None:
+            tokens = (
+                min(tokens, sa.max_total_tokens) if sa.device == "cuda" else sa.max_total_tokens
+            )
+        if tokens < 16:
+            raise RuntimeError(
+                f"not enough memory for the KV cache ({tokens} tokens); raise "
+                "--mem-fraction-static or --max-total-tokens"
+            )
+        return tokens
+
+    def _init_memory_pools(self) -> None:
+        sa = self.server_args
+        self.max_total_num_tokens = self._profile_max_num_tokens()
+        default_reqs = 2048 if sa.device == "cuda" else 256
+        self.max_running_requests = sa.max_running_requests or default_reqs
+        context_len = self.model_config.context_len
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, context_len + 4, self.device
+        )
+        self.token_to_kv_pool = self._make_kv_pool(self.max_total_num_tokens)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.device
+        )
+        logger.info(
+            "KV cache: %d tokens, %.1f MB; max running requests %d",
+            self.max_total_num_tokens,
+            self.max_total_num_tokens * self.token_to_kv_pool.bytes_per_token() / 2**20,
+            self.max_running_requests,
+        )
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        forward_batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(
+        self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return self.sampler(logits_output.next_token_logits, forward_batch.sampling_info)

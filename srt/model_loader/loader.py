@@ -1,0 +1,23 @@
+"""Build a model from its HF directory: class from the registry, weights from safetensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.model_loader.config import ModelConfig
+from srt.model_loader.weight_utils import iterate_safetensors
+from srt.models.registry import get_model_class
+
+
+def load_model(model_config: ModelConfig, device: str | torch.device) -> nn.Module:
+    model_class = get_model_class(model_config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device):
+            model = model_class(model_config.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(iterate_safetensors(model_config.model_path))
+    return model.eval()

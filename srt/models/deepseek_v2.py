@@ -1,0 +1,224 @@
+"""DeepSeek-V2 and DeepSeek-V3 (HF ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``):
+multi-head latent attention with absorbed weights, shared experts, dense first layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from srt.batch_overlap.operations import LayerState, Operation, execute_operations
+from srt.layers.communicator import LayerCommunicator
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.mlp import GatedMLP
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
+from srt.layers.moe.topk import TopKConfig
+from srt.layers.radix_attention import RadixAttention
+from srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_factor
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
+from srt.models.qwen3_moe import rope_parameters
+
+
+class DeepseekV2MLA(nn.Module):
+    """MLA: the KV cache holds the normalised latent ``c_kv`` and the rotated ``k_pe``; queries
+    are projected into the latent space (``W_UK`` absorbed), so attention is MQA over
+    ``kv_lora_rank + qk_rope_head_dim`` and the output is lifted back with ``W_UV``."""
+
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        qk_head = self.nope + self.rope
+        bias = getattr(config, "attention_bias", False)
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, self.num_heads * qk_head)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.num_heads * qk_head)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim)
+        )
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, h, bias=bias)
+        rope_params = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(
+            self.rope,
+            config.max_position_embeddings,
+            rope_params,
+            is_neox_style=not getattr(config, "rope_interleave", True),
+        )
+        scaling = qk_head**-0.5 * yarn_softmax_scale_factor(rope_params)
+        self.attn = RadixAttention(
+            self.num_heads,
+            self.kv_lora_rank + self.rope,
+            scaling,
+            1,
+            layer_id,
+            v_head_dim=self.kv_lora_rank,
+        )
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, -1)
+        return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
+
+    def op_prepare_attn(self, state: LayerState) -> None:
+        x = state.pop("attn_input")
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(-1, self.num_heads, self.nope + self.rope).split(
+            [self.nope, self.rope], dim=-1
+        )  # [T, H, nope], [T, H, rope]
+        kv_a, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
+        q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
+        w_uk, _ = self._kv_b()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
+        k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]
+        state.put(attn_intermediate=(q, k, kv_a))
+
+    def op_core_attn(self, state: LayerState) -> None:
+        q, k, v = state.pop("attn_intermediate")
+        latent = self.attn(q, k, v, state.batch).view(-1, self.num_heads, self.kv_lora_rank)
+        _, w_uv = self._kv_b()
+        out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        out = out.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim)
+        state.put(attn_output=self.o_proj(out))
+
+
+def _topk_config(config) -> TopKConfig:
+    method = getattr(config, "topk_method", "greedy")
+    default_scoring = "sigmoid" if method == "noaux_tc" else "softmax"
+    grouped = method in ("noaux_tc", "group_limited_greedy")
+    return TopKConfig(
+        top_k=config.num_experts_per_tok,
+        scoring_func=getattr(config, "scoring_func", None) or default_scoring,
+        renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        num_expert_group=config.n_group if grouped else None,
+        topk_group=config.topk_group if grouped else None,
+        routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0) or 1.0,
+    )
+
+
+def is_moe_layer(config, layer_id: int) -> bool:
+    return (
+        getattr(config, "n_routed_experts", None) is not None
+        and layer_id >= config.first_k_dense_replace
+        and layer_id % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.self_attn = DeepseekV2MLA(config, layer_id)
+        self.is_moe = is_moe_layer(config, layer_id)
+        h = config.hidden_size
+        if self.is_moe:
+            topk = _topk_config(config)
+            shared = (
+                GatedMLP(h, config.moe_intermediate_size * config.n_shared_experts)
+                if config.n_shared_experts
+                else None
+            )
+            self.mlp = SparseMoeBlock(
+                MoEGate(
+                    config.n_routed_experts, h, topk.scoring_func == "sigmoid", fp32_logits=True
+                ),
+                FusedMoE(config.n_routed_experts, h, config.moe_intermediate_size),
+                topk,
+                shared_experts=shared,
+            )
+        else:
+            self.mlp = GatedMLP(h, config.intermediate_size)
+        self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
+
+    def op_mlp(self, state: LayerState) -> None:
+        state.put(mlp_output=self.mlp(state.pop("mlp_input")))
+
+    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
+        attn, mlp, comm = self.self_attn, self.mlp, self.comm
+        head = [comm.prepare_attn, attn.op_prepare_attn, attn.op_core_attn, comm.prepare_mlp]
+        if not self.is_moe:
+            return head + [self.op_mlp, comm.postprocess]
+        ops = [
+            mlp.op_gate,
+            mlp.op_select_experts,
+            mlp.op_dispatch_a,
+            mlp.op_dispatch_b,
+            mlp.op_experts,
+            mlp.op_combine_a,
+            mlp.op_combine_b,
+        ]
+        if mlp.shared_experts is not None:
+            ops.append(mlp.op_shared_experts)
+        return head + ops + [mlp.op_output, comm.postprocess]
+
+    def forward(self, positions, hidden_states, residual, batch: ForwardBatch):
+        state = LayerState(batch, positions)
+        state.put(hidden_states=hidden_states, residual=residual)
+        execute_operations(state, self.get_operations(batch.forward_mode))
+        return state.take_outputs("hidden_states", "residual")
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, batch)
+        return self.logits_processor(hidden, self.lm_head.weight, batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        mapping = WeightMapping(
+            stacked=[("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)],
+            num_experts=getattr(self.config, "n_routed_experts", None) or 0,
+            num_layers=self.config.num_hidden_layers,
+            skip_prefixes=("lm_head.",) if tied else (),
+        )
+        load_weights_by_mapping(self, weights, mapping)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

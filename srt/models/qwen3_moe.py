@@ -1,0 +1,155 @@
+"""Qwen3-MoE (HF ``Qwen3MoeForCausalLM``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from srt.batch_overlap.operations import LayerState, Operation, execute_operations
+from srt.layers.communicator import LayerCommunicator
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import QKVParallelLinear, RowParallelLinear
+from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
+from srt.layers.moe.topk import TopKConfig
+from srt.layers.radix_attention import RadixAttention
+from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
+
+
+def rope_parameters(config) -> dict:
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=bias
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            rope_parameters(config),
+            is_neox_style=True,
+        )
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def op_prepare_attn(self, state: LayerState) -> None:
+        qkv = self.qkv_proj(state.pop("attn_input"))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(state.positions, q, k)
+        state.put(attn_intermediate=(q, k, v))
+
+    def op_core_attn(self, state: LayerState) -> None:
+        q, k, v = state.pop("attn_intermediate")
+        state.put(attn_output=self.o_proj(self.attn(q, k, v, state.batch)))
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(config, layer_id)
+        self.mlp = SparseMoeBlock(
+            MoEGate(config.num_experts, config.hidden_size, False, fp32_logits=False),
+            FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size),
+            TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
+
+    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
+        attn, mlp, comm = self.self_attn, self.mlp, self.comm
+        return [
+            comm.prepare_attn,
+            attn.op_prepare_attn,
+            attn.op_core_attn,
+            comm.prepare_mlp,
+            mlp.op_gate,
+            mlp.op_select_experts,
+            mlp.op_dispatch_a,
+            mlp.op_dispatch_b,
+            mlp.op_experts,
+            mlp.op_combine_a,
+            mlp.op_combine_b,
+            mlp.op_output,
+            comm.postprocess,
+        ]
+
+    def forward(self, positions, hidden_states, residual, batch: ForwardBatch):
+        state = LayerState(batch, positions)
+        state.put(hidden_states=hidden_states, residual=residual)
+        execute_operations(state, self.get_operations(batch.forward_mode))
+        return state.take_outputs("hidden_states", "residual")
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3MoeModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, batch)
+        return self.logits_processor(hidden, self.lm_head.weight, batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        mapping = WeightMapping(
+            stacked=[
+                ("qkv_proj", "q_proj", "q"),
+                ("qkv_proj", "k_proj", "k"),
+                ("qkv_proj", "v_proj", "v"),
+            ],
+            num_experts=self.config.num_experts,
+            skip_prefixes=("lm_head.",) if self.config.tie_word_embeddings else (),
+        )
+        load_weights_by_mapping(self, weights, mapping)
+
+
+EntryClass = Qwen3MoeForCausalLM
