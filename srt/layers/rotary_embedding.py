@@ -9,6 +9,15 @@ import torch
 from torch import nn
 
 
+def rope_parameters(config) -> dict:
+    """The HF config's rope settings (``rope_parameters`` in transformers 5, else the legacy
+    ``rope_scaling`` plus ``rope_theta``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

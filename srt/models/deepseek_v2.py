@@ -8,8 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState, Operation, execute_operations
-from srt.layers.communicator import LayerCommunicator
+from srt.batch_overlap.operations import LayerState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -18,11 +17,15 @@ from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.radix_attention import RadixAttention
-from srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_factor
+from srt.layers.rotary_embedding import (
+    RotaryEmbedding,
+    rope_parameters,
+    yarn_softmax_scale_factor,
+)
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
-from srt.models.qwen3_moe import rope_parameters
+from srt.models.decoder_layer import MoEDecoderLayer, MoEModel
 
 
 class DeepseekV2MLA(nn.Module):
@@ -121,13 +124,12 @@ def is_moe_layer(config, layer_id: int) -> bool:
     )
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(MoEDecoderLayer):
     def __init__(self, config, layer_id: int):
         super().__init__()
         self.self_attn = DeepseekV2MLA(config, layer_id)
-        self.is_moe = is_moe_layer(config, layer_id)
         h = config.hidden_size
-        if self.is_moe:
+        if is_moe_layer(config, layer_id):
             topk = _topk_config(config)
             shared = (
                 GatedMLP(h, config.moe_intermediate_size * config.n_shared_experts)
@@ -144,52 +146,17 @@ class DeepseekV2DecoderLayer(nn.Module):
             )
         else:
             self.mlp = GatedMLP(h, config.intermediate_size)
-        self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
-
-    def op_mlp(self, state: LayerState) -> None:
-        state.put(mlp_output=self.mlp(state.pop("mlp_input")))
-
-    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
-        attn, mlp, comm = self.self_attn, self.mlp, self.comm
-        head = [comm.prepare_attn, attn.op_prepare_attn, attn.op_core_attn, comm.prepare_mlp]
-        if not self.is_moe:
-            return head + [self.op_mlp, comm.postprocess]
-        ops = [
-            mlp.op_gate,
-            mlp.op_select_experts,
-            mlp.op_dispatch_a,
-            mlp.op_dispatch_b,
-            mlp.op_experts,
-            mlp.op_combine_a,
-            mlp.op_combine_b,
-        ]
-        if mlp.shared_experts is not None:
-            ops.append(mlp.op_shared_experts)
-        return head + ops + [mlp.op_output, comm.postprocess]
-
-    def forward(self, positions, hidden_states, residual, batch: ForwardBatch):
-        state = LayerState(batch, positions)
-        state.put(hidden_states=hidden_states, residual=residual)
-        execute_operations(state, self.get_operations(batch.forward_mode))
-        return state.take_outputs("hidden_states", "residual")
+        self._init_norms(h, config.rms_norm_eps)
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(MoEModel):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        self._init_parts(
+            config,
+            [DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers)],
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size),
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class DeepseekV2ForCausalLM(nn.Module):

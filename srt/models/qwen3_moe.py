@@ -7,27 +7,20 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState, Operation, execute_operations
-from srt.layers.communicator import LayerCommunicator
+from srt.batch_overlap.operations import LayerState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.mlp import GatedMLP
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.radix_attention import RadixAttention
-from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
-
-
-def rope_parameters(config) -> dict:
-    params = dict(
-        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    )
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params
+from srt.models.decoder_layer import MoEDecoderLayer, MoEModel
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -69,60 +62,37 @@ class Qwen3MoeAttention(nn.Module):
         state.put(attn_output=self.o_proj(self.attn(q, k, v, state.batch)))
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+def is_moe_layer(config, layer_id: int) -> bool:
+    return (
+        layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_id + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+    )
+
+
+class Qwen3MoeDecoderLayer(MoEDecoderLayer):
     def __init__(self, config, layer_id: int):
         super().__init__()
         self.self_attn = Qwen3MoeAttention(config, layer_id)
-        self.mlp = SparseMoeBlock(
-            MoEGate(config.num_experts, config.hidden_size, False, fp32_logits=False),
-            FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size),
-            TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
-
-    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
-        attn, mlp, comm = self.self_attn, self.mlp, self.comm
-        return [
-            comm.prepare_attn,
-            attn.op_prepare_attn,
-            attn.op_core_attn,
-            comm.prepare_mlp,
-            mlp.op_gate,
-            mlp.op_select_experts,
-            mlp.op_dispatch_a,
-            mlp.op_dispatch_b,
-            mlp.op_experts,
-            mlp.op_combine_a,
-            mlp.op_combine_b,
-            mlp.op_output,
-            comm.postprocess,
-        ]
-
-    def forward(self, positions, hidden_states, residual, batch: ForwardBatch):
-        state = LayerState(batch, positions)
-        state.put(hidden_states=hidden_states, residual=residual)
-        execute_operations(state, self.get_operations(batch.forward_mode))
-        return state.take_outputs("hidden_states", "residual")
+        if is_moe_layer(config, layer_id):
+            self.mlp = SparseMoeBlock(
+                MoEGate(config.num_experts, config.hidden_size, False, fp32_logits=False),
+                FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size),
+                TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
+            )
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self._init_norms(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3MoeModel(nn.Module):
+class Qwen3MoeModel(MoEModel):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        self._init_parts(
+            config,
+            [Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)],
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size),
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
 
 
 class Qwen3MoeForCausalLM(nn.Module):

@@ -1,0 +1,78 @@
+"""The decoder layer shared by srt's MoE models: attention, then a sparse MoE block or a dense
+MLP, exposed as a list of operations."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.batch_overlap.operations import LayerState, Operation, execute_operations
+from srt.layers.communicator import LayerCommunicator
+from srt.layers.layernorm import RMSNorm
+from srt.layers.moe.moe_block import SparseMoeBlock
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+class MoEDecoderLayer(nn.Module):
+    """Subclasses build ``self_attn`` (with ``op_prepare_attn`` / ``op_core_attn``) and ``mlp``
+    (a SparseMoeBlock or a dense module), then call ``_init_norms``."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+
+    def _init_norms(self, hidden_size: int, eps: float) -> None:
+        self.input_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, SparseMoeBlock)
+
+    def op_mlp(self, state: LayerState) -> None:
+        state.put(mlp_output=self.mlp(state.pop("mlp_input")))
+
+    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
+        attn, mlp, comm = self.self_attn, self.mlp, self.comm
+        head = [comm.prepare_attn, attn.op_prepare_attn, attn.op_core_attn, comm.prepare_mlp]
+        if not self.is_moe:
+            return head + [self.op_mlp, comm.postprocess]
+        ops = [
+            mlp.op_gate,
+            mlp.op_select_experts,
+            mlp.op_dispatch_a,
+            mlp.op_dispatch_b,
+            mlp.op_experts,
+            mlp.op_combine_a,
+            mlp.op_combine_b,
+        ]
+        if mlp.shared_experts is not None:
+            ops.append(mlp.op_shared_experts)
+        return head + ops + [mlp.op_output, comm.postprocess]
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ):
+        state = LayerState(batch, positions)
+        state.put(hidden_states=hidden_states, residual=residual)
+        execute_operations(state, self.get_operations(batch.forward_mode))
+        return state.take_outputs("hidden_states", "residual")
+
+
+class MoEModel(nn.Module):
+    """Embedding → decoder layers → final norm. Subclasses fill ``layers``."""
+
+    def _init_parts(self, config, layers: list[nn.Module], embed: nn.Module) -> None:
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
