@@ -13,7 +13,10 @@ file is byte-identical across reruns: fixed seeds per model, sorted JSON, fixed 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
+import os
 import shutil
 import zlib
 from collections.abc import Callable
@@ -385,6 +388,31 @@ def make_tiny_models(out_dir: str, names: list[str] | None = None) -> dict[str, 
         save_weights(make_tensors(name, shapes_fn(cfg), quiet_ids), out, num_shards)
         paths[name] = str(out)
     return paths
+
+
+def default_root() -> Path:
+    """``$SRT_TINY_MODEL_DIR`` or ``<repo>/.cache/tiny-models``."""
+    env = os.environ.get("SRT_TINY_MODEL_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
+
+
+def ensure_tiny_models(root: Path | None = None) -> dict[str, str]:
+    """Build all tiny models into root unless a finished build of this generator is there.
+
+    The marker holds the generator's hash and is written last, so a half-written or stale
+    directory is rebuilt; a file lock lets concurrent processes share one build.
+    """
+    root = root or default_root()
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / ".complete"
+    version = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.exists() or marker.read_text() != version:
+            marker.unlink(missing_ok=True)
+            make_tiny_models(str(root))
+            marker.write_text(version)
+    return {name: str(root / name) for name in MODEL_NAMES}
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +21,10 @@ def _arg(group: str, help: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def default_model_path() -> str:
-    """The bundled tiny Qwen3-MoE, built on first use (see launch/make_tiny_models.py)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = os.environ.get("SRT_TINY_MODEL_DIR", os.path.join(root, ".cache", "tiny-models"))
-    return os.path.join(base, "tiny-qwen3-moe")
+    """The bundled tiny Qwen3-MoE, built (a few MB, no network) on first use."""
+    from make_tiny_models import ensure_tiny_models
+
+    return ensure_tiny_models()["tiny-qwen3-moe"]
 
 
 @dataclass
