@@ -1,1 +1,16 @@
 """srt: an SGLang-style serving runtime for Mixture-of-Experts models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Engine"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import srt` stays cheap (no torch / transformers import).
+    if name == "Engine":
+        from srt.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'srt' has no attribute {name!r}")

@@ -48,7 +48,8 @@ class GenerateReqInput:
         self.logprob_start_len = self._expand("logprob_start_len", self.logprob_start_len, int, -1)
         self.top_logprobs_num = self._expand("top_logprobs_num", self.top_logprobs_num, int, 0)
         if self.rid is None:
-            self.rid = [uuid.uuid4().hex for _ in range(n)]
+            rids = [uuid.uuid4().hex for _ in range(n)]
+            self.rid = rids[0] if self.is_single else rids
         self.rid = self._expand("rid", self.rid, str, None)
         if len(set(self.rid)) != n:
             raise ValueError("rid: request ids in a batch must be distinct")
@@ -61,8 +62,10 @@ class GenerateReqInput:
         if self.text is not None:
             if isinstance(self.text, str):
                 self.is_single, self.text = True, [self.text]
-            elif isinstance(self.text, list) and self.text and all(
-                isinstance(t, str) for t in self.text
+            elif (
+                isinstance(self.text, list)
+                and self.text
+                and all(isinstance(t, str) for t in self.text)
             ):
                 self.is_single = False
             else:
@@ -71,8 +74,10 @@ class GenerateReqInput:
             return
         if _is_token_list(self.input_ids) and self.input_ids:
             self.is_single, self.input_ids = True, [self.input_ids]
-        elif isinstance(self.input_ids, list) and self.input_ids and all(
-            _is_token_list(x) and x for x in self.input_ids
+        elif (
+            isinstance(self.input_ids, list)
+            and self.input_ids
+            and all(_is_token_list(x) and x for x in self.input_ids)
         ):
             self.is_single = False
         else:
@@ -93,8 +98,9 @@ class GenerateReqInput:
         else:
             items = [value] * self.batch_size
         for item in items:
-            ok = item is None or (isinstance(item, kind) and not (
-                kind is int and isinstance(item, bool)))
+            ok = item is None or (
+                isinstance(item, kind) and not (kind is int and isinstance(item, bool))
+            )
             if not ok:
                 raise ValueError(f"{name} must be {kind.__name__}, got {item!r}")
         return [default if item is None else item for item in items]
@@ -133,6 +139,21 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool  # False when the scheduler was busy (the cache is flushed only when idle)
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict  # Scheduler.get_internal_state()
 
 
 @dataclass

@@ -57,6 +57,15 @@ class Req:
         self.sampling_params, self.stream = sampling_params, stream
         self.eos_token_ids = set(eos_token_ids or ())
         self.output_ids: list[int] = []
+        self._init_cache_state(device)
+        self.finished_reason: dict | None = None
+        self.num_retractions = 0
+        self.created_time = time.perf_counter()
+        seed = sampling_params.sampling_seed
+        self.generator = None if seed is None else make_generator(seed, device)
+        self._init_logprobs(return_logprob, logprob_start_len, top_logprobs_num)
+
+    def _init_cache_state(self, device: str | torch.device) -> None:
         self.fill_ids: list[int] = []  # tokens that have KV once this round's extend is done
         self.prefix_indices = torch.empty(0, dtype=torch.int64, device=device)
         self.last_node: Any = None
@@ -65,13 +74,6 @@ class Req:
         self.extend_input_len = 0
         self.cached_tokens = 0
         self.has_started = False
-        self.finished_reason: dict | None = None
-        self.to_abort: str | None = None
-        self.num_retractions = 0
-        self.created_time = time.perf_counter()
-        seed = sampling_params.sampling_seed
-        self.generator = None if seed is None else make_generator(seed, device)
-        self._init_logprobs(return_logprob, logprob_start_len, top_logprobs_num)
 
     def _init_logprobs(self, return_logprob: bool, start: int, top_num: int) -> None:
         self.return_logprob, self.logprob_start_len = return_logprob, start
@@ -125,9 +127,6 @@ class Req:
     def check_finished(self, tokenizer: Any) -> None:
         if self.finished():
             return
-        if self.to_abort is not None:
-            self.finished_reason = finish_abort(self.to_abort)
-            return
         params = self.sampling_params
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = finish_length(params.max_new_tokens)
@@ -153,7 +152,7 @@ class Req:
         self.num_retractions += 1
 
     def __repr__(self) -> str:
-        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, out={len(self.output_ids)})"
+        return f"Req({self.rid}, input={len(self.origin_input_ids)}, out={len(self.output_ids)})"
 
 
 @dataclass
@@ -238,8 +237,11 @@ class ScheduleBatch:
         self.out_cache_loc = self.ctx.alloc_token_slots(len(self.reqs))
         self.input_ids = [r.output_ids[-1] for r in self.reqs]
         self.positions = [r.kv_len for r in self.reqs]
-        for req, loc in zip(self.reqs, self.out_cache_loc):
-            self.ctx.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len] = loc
+        req_to_token = self.ctx.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], device=req_to_token.device)
+        cols = torch.tensor(self.positions, device=req_to_token.device)
+        req_to_token[rows, cols] = self.out_cache_loc.to(req_to_token.device)
+        for req in self.reqs:
             req.kv_len += 1
 
     # ------------------------------------------------------------------ membership

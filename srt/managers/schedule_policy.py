@@ -21,6 +21,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
+LPM_MAX_QUEUE = 128
 
 
 class NewTokenRatio:
@@ -51,11 +52,13 @@ class SchedulePolicy:
         self.policy, self.tree_cache = policy, tree_cache
 
     def calc_priority(self, waiting: list[Req]) -> None:
-        """Match every waiting request's prefix; with lpm, sort longest match first."""
+        """Order the queue in place. lpm matches every waiting prefix and sorts the longest
+        first; like SGLang it falls back to fcfs on long queues, where matching costs too much."""
+        if self.policy != "lpm" or len(waiting) > LPM_MAX_QUEUE:
+            return
         for req in waiting:
             req.init_next_round_input(self.tree_cache)
-        if self.policy == "lpm":
-            waiting.sort(key=lambda r: -len(r.prefix_indices))
+        waiting.sort(key=lambda r: -len(r.prefix_indices))
 
 
 class AddReqResult(Enum):
@@ -90,7 +93,7 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prefill first; its prefix is already locked."""
         req.init_chunk_continuation()
-        self._take(req, locked=True)
+        self._take(req)
 
     def add_one_req(self, req: Req) -> AddReqResult:
         if len(self.can_run_list) >= self.max_new_reqs:
@@ -99,10 +102,13 @@ class PrefillAdder:
             return AddReqResult.OTHER
         if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
+        # Lock first: the matched prefix stops being evictable room (SGLang does the same).
+        self.ctx.tree_cache.inc_lock_ref(req.last_node)
         cost = req.extend_input_len + decode_reserve(req, 1.0)
         if cost > self.rem_total_tokens() and not self._lone(req):
+            self.ctx.tree_cache.dec_lock_ref(req.last_node)
             return AddReqResult.NO_TOKEN
-        self._take(req, locked=False)
+        self._take(req)
         return AddReqResult.CONTINUE
 
     def _lone(self, req: Req) -> bool:
@@ -110,9 +116,7 @@ class PrefillAdder:
         alone = self.num_running == 0 and not self.can_run_list
         return alone and req.extend_input_len < self.rem_total_tokens()
 
-    def _take(self, req: Req, locked: bool) -> None:
-        if not locked:
-            self.ctx.tree_cache.inc_lock_ref(req.last_node)
+    def _take(self, req: Req) -> None:
         if self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens:
             req.truncate_chunk(self.rem_chunk_tokens)
         if not req.is_last_chunk():

@@ -1,0 +1,291 @@
+"""Scheduler: one iteration = pick a batch (prefill first, else decode), run it, process it.
+
+Composed of small parts: SchedulePolicy + PrefillAdder (admission), ScheduleBatch (bookkeeping
+and retraction), the cache tree (RadixCache or ChunkCache) and SchedulerOutputProcessor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
+from srt.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
+from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.radix_cache import RadixCache
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def max_req_len(context_len: int, max_total_tokens: int) -> int:
+    """The longest sequence (prompt + output) one request may reach, as SGLang."""
+    return min(context_len, max_total_tokens) - 1
+
+
+def check_request_length(req: Req, context_len: int, max_total_tokens: int) -> str | None:
+    """An abort message for a request that can never run; else None. Like SGLang, clamps
+    max_new_tokens so that the request alone fits in the KV pool."""
+    num_input, params = len(req.origin_input_ids), req.sampling_params
+    max_len = max_req_len(context_len, max_total_tokens)
+    if num_input > max_len - 1:
+        return (
+            f"Input length ({num_input} tokens) exceeds the maximum allowed length "
+            f"({max_len - 1} tokens: context length {context_len}, KV cache "
+            f"{max_total_tokens} tokens)."
+        )
+    if num_input + params.max_new_tokens > context_len:
+        return (
+            f"Requested token count exceeds the model's maximum context length of {context_len} "
+            f"tokens. You requested a total of {num_input + params.max_new_tokens} tokens: "
+            f"{num_input} tokens from the input and {params.max_new_tokens} for the completion."
+        )
+    params.max_new_tokens = min(params.max_new_tokens, max_len - num_input)
+    return None
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: Any = None):
+        self.server_args = server_args
+        self._init_model_runner(model_runner)
+        self._init_tokenizer()
+        self._init_cache()
+        self._init_state()
+
+    def _init_model_runner(self, model_runner: Any) -> None:
+        if model_runner is None:
+            from srt.model_executor.model_runner import ModelRunner
+
+            model_runner = ModelRunner(self.server_args)
+        self.model_runner = model_runner
+        self.model_config = model_runner.model_config
+        self.max_total_num_tokens = model_runner.max_total_num_tokens
+        self.max_running_requests = model_runner.max_running_requests
+        context_len = self.model_config.context_len
+        self.max_req_input_len = max_req_len(context_len, self.max_total_num_tokens) - 1
+
+    def _init_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.server_args.tokenizer_path)
+
+    def _init_cache(self) -> None:
+        runner = self.model_runner
+        cache_cls = ChunkCache if self.server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(
+            runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device
+        )
+        self.ctx = BatchContext(
+            runner.req_to_token_pool,
+            runner.token_to_kv_pool_allocator,
+            self.tree_cache,
+            runner.device,
+            self.model_config.vocab_size,
+        )
+
+    def _init_state(self) -> None:
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch([], self.ctx)
+        self.chunked_req: Req | None = None
+        self.finished_outside_batch: list[Req] = []
+        self.policy = SchedulePolicy(self.server_args.schedule_policy, self.tree_cache)
+        self.new_token_ratio = NewTokenRatio()
+        self.output_processor = SchedulerOutputProcessor(self.tree_cache, self.tokenizer)
+        self.num_retracted_reqs = 0
+        self.num_forward_steps = 0
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        req = Req(
+            recv.rid,
+            recv.input_ids,
+            recv.sampling_params,
+            origin_input_text=recv.input_text,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len,
+            top_logprobs_num=recv.top_logprobs_num,
+            stream=recv.stream,
+            eos_token_ids=self.model_config.eos_token_ids,
+            device=self.model_runner.device,
+        )
+        error = check_request_length(req, self.model_config.context_len, self.max_total_num_tokens)
+        if error is not None:
+            req.finished_reason = finish_abort(error)
+            self.finished_outside_batch.append(req)
+            return
+        self.waiting_queue.append(req)
+
+    def abort_request(self, recv: AbortReq) -> None:
+        """Finish the request now, wherever it is; its computed KV goes to the cache."""
+        for req in self.waiting_queue:
+            if req.rid == recv.rid:
+                self.waiting_queue.remove(req)
+                return self._finish_aborted(req)
+        if self.chunked_req is not None and self.chunked_req.rid == recv.rid:
+            req, self.chunked_req = self.chunked_req, None
+            self.tree_cache.cache_finished_req(req)
+            return self._finish_aborted(req)
+        for req in self.running_batch.reqs:
+            if req.rid == recv.rid:
+                self.tree_cache.cache_finished_req(req)
+                self.running_batch.filter_batch(
+                    [r for r in self.running_batch.reqs if r is not req]
+                )
+                return self._finish_aborted(req)
+
+    def _finish_aborted(self, req: Req) -> None:
+        req.finished_reason = finish_abort("Aborted by request.")
+        self.finished_outside_batch.append(req)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[BatchTokenIDOutput]:
+        outputs = []
+        if self.finished_outside_batch:
+            out = self.output_processor.build_output(self.finished_outside_batch)
+            outputs.append(out)  # never None: every request in it is finished
+            self.finished_outside_batch = []
+        batch = self.get_next_batch()
+        if batch is not None:
+            reqs = list(batch.reqs)  # processing filters finished requests out of the batch
+            logits_output, next_token_ids = self.run_batch(batch)
+            self.process_batch_result(batch, logits_output, next_token_ids)
+            out = self.output_processor.build_output(reqs)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def get_next_batch(self) -> ScheduleBatch | None:
+        batch = self._get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running_batch.is_empty():
+            return None
+        self._update_running_batch()
+        return None if self.running_batch.is_empty() else self.running_batch
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = self.running_batch.reqs
+        max_new_reqs = min(
+            self.max_running_requests - len(running),
+            self.ctx.req_to_token_pool.available_size() + (self.chunked_req is not None),
+        )
+        adder = PrefillAdder(
+            self.ctx,
+            running,
+            self.new_token_ratio.value,
+            self.server_args.max_prefill_tokens,
+            self.server_args.chunked_prefill_size,
+            max_new_reqs,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        if adder.new_chunked_req is None and max_new_reqs > len(adder.can_run_list):
+            self.policy.calc_priority(self.waiting_queue)
+            for req in self.waiting_queue:
+                req.init_next_round_input(self.tree_cache)
+                if adder.add_one_req(req) != AddReqResult.CONTINUE:
+                    break
+        return self._make_prefill_batch(adder)
+
+    def _make_prefill_batch(self, adder: PrefillAdder) -> ScheduleBatch | None:
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        for req in can_run:
+            if not req.has_started:
+                req.cached_tokens, req.has_started = len(req.prefix_indices), True
+        batch = ScheduleBatch(can_run, self.ctx)
+        batch.prepare_for_extend()
+        return batch
+
+    def _update_running_batch(self) -> None:
+        batch = self.running_batch
+        if not batch.check_decode_mem():
+            retracted = batch.retract_decode()
+            self.new_token_ratio.on_retract(batch.reqs)
+            self.num_retracted_reqs += len(retracted)
+            self.waiting_queue = retracted + self.waiting_queue
+            logger.info(
+                "retracted %d requests; new_token_ratio %.3f",
+                len(retracted),
+                self.new_token_ratio.value,
+            )
+        else:
+            self.new_token_ratio.decay()
+        batch.prepare_for_decode()
+
+    def run_batch(self, batch: ScheduleBatch) -> tuple[Any, Any]:
+        forward_batch = batch.to_forward_batch(self.model_runner)
+        logits_output = self.model_runner.forward(forward_batch)
+        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+        self.num_forward_steps += 1
+        return logits_output, next_token_ids
+
+    def process_batch_result(self, batch: ScheduleBatch, logits_output: Any, next_ids: Any) -> None:
+        if batch.forward_mode.is_extend():
+            chunked = self.chunked_req
+            self.output_processor.process_extend(batch, logits_output, next_ids, chunked)
+            new_running = [r for r in batch.reqs if not r.finished() and r is not chunked]
+            self.running_batch.reqs.extend(new_running)
+        else:
+            self.output_processor.process_decode(batch, logits_output, next_ids)
+            self.running_batch.filter_batch()
+
+    # ------------------------------------------------------------------ state
+    def is_idle(self) -> bool:
+        return (
+            not self.waiting_queue
+            and self.running_batch.is_empty()
+            and self.chunked_req is None
+            and not self.finished_outside_batch
+        )
+
+    def flush_cache(self) -> bool:
+        """Drop the whole prefix cache; only when idle (else False)."""
+        if not self.is_idle():
+            return False
+        self.tree_cache.reset()
+        self.ctx.allocator.clear()
+        self.ctx.req_to_token_pool.clear()
+        return True
+
+    def check_memory(self) -> None:
+        """When idle, every KV slot must be free or in the cache tree, and every row free."""
+        if not self.is_idle():
+            return
+        free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
+        if free + evictable != self.max_total_num_tokens:
+            raise RuntimeError(
+                f"KV slot leak: free {free} + evictable {evictable} != {self.max_total_num_tokens}"
+            )
+        free_slots = self.ctx.allocator.free_slots
+        if free_slots.unique().numel() != free_slots.numel():
+            raise RuntimeError("KV slot double free: a slot is in the free list twice")
+        pool = self.ctx.req_to_token_pool
+        if pool.available_size() != pool.size or self.tree_cache.protected_size() != 0:
+            raise RuntimeError("request row leak or cache tree still locked while idle")
+
+    def get_internal_state(self) -> dict:
+        free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
+        return {
+            "num_running_reqs": len(self.running_batch.reqs),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_chunked_reqs": int(self.chunked_req is not None),
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "num_used_tokens": self.max_total_num_tokens - free - evictable,
+            "num_free_tokens": free,
+            "num_evictable_tokens": evictable,
+            "num_protected_tokens": self.tree_cache.protected_size(),
+            "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
+            "num_retracted_reqs": self.num_retracted_reqs,
+            "num_forward_steps": self.num_forward_steps,
+            "new_token_ratio": self.new_token_ratio.value,
+        }

@@ -1,0 +1,189 @@
+"""Scheduler with the real tiny models: greedy outputs do not depend on batching, chunking,
+prefix reuse, radix-cache on/off or retraction; aborts and finishes leave no leaked slots."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import srt
+from srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from srt.managers.scheduler import Scheduler
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+MODELS = ["tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+
+
+def make_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def engine(path: str, **kwargs) -> srt.Engine:
+    return srt.Engine(model_path=path, dtype="float32", **{"max_total_tokens": 4096, **kwargs})
+
+
+def output_ids(eng: srt.Engine, prompts: list[list[int]], params: dict = GREEDY) -> list:
+    return [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def reference(request, tiny_models):
+    """Each prompt alone on an empty cache: the reference greedy outputs."""
+    path = tiny_models[request.param]
+    eng = engine(path)
+    prompts = make_prompts()
+    alone = []
+    for prompt in prompts:
+        alone.append(eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"])
+        assert eng.flush_cache()
+    return path, eng, prompts, alone
+
+
+def test_batch_and_radix_hit_match_alone(reference):
+    _, eng, prompts, alone = reference
+    assert output_ids(eng, prompts) == alone
+    eng.scheduler.check_memory()
+    again = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in again] == alone
+    assert all(o["meta_info"]["cached_tokens"] == len(p) - 1 for o, p in zip(again, prompts))
+    eng.scheduler.check_memory()
+    assert eng.flush_cache()
+
+
+def test_shared_prefix_hit_matches_alone(reference):
+    _, eng, prompts, _ = reference
+    base = make_prompts(1, seed=7)[0] + [11, 12, 13, 14, 15, 16, 17, 18]
+    first = [base + p[:5] for p in prompts[:4]]
+    solo = []
+    for prompt in first:
+        solo.append(eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"])
+        eng.flush_cache()
+    eng.generate(input_ids=first[0], sampling_params=GREEDY)
+    outs = eng.generate(input_ids=first[1:], sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == solo[1:]
+    assert all(o["meta_info"]["cached_tokens"] >= len(base) for o in outs)
+    eng.scheduler.check_memory()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"chunked_prefill_size": 8},
+        {"disable_radix_cache": True, "chunked_prefill_size": 8},
+        {"schedule_policy": "lpm", "max_running_requests": 5},
+    ],
+    ids=["chunked", "no-radix-chunked", "lpm-max-running"],
+)
+def test_configs_match_alone(reference, kwargs):
+    path, _, prompts, alone = reference
+    eng = engine(path, **kwargs)
+    assert output_ids(eng, prompts) == alone
+    eng.scheduler.check_memory()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"chunked_prefill_size": -1},
+        {"chunked_prefill_size": 8},
+        {"chunked_prefill_size": 8, "disable_radix_cache": True},
+    ],
+    ids=["unchunked", "chunked", "no-radix"],
+)
+def test_retraction_keeps_greedy_output(reference, kwargs):
+    path, _, prompts, alone = reference
+    eng = engine(path, max_total_tokens=150, **kwargs)
+    assert output_ids(eng, prompts) == alone
+    assert eng.scheduler.get_internal_state()["num_retracted_reqs"] > 0
+    eng.scheduler.check_memory()
+
+
+def _tokenized(rid: str, ids: list[int], max_new_tokens: int = 8) -> TokenizedGenerateReqInput:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    params.normalize(None)
+    return TokenizedGenerateReqInput(
+        rid=rid, input_text=None, input_ids=ids, sampling_params=params
+    )
+
+
+def _step(scheduler: Scheduler, finished: dict[str, dict]) -> None:
+    for out in scheduler.step():
+        for rid, reason in zip(out.rids, out.finished_reasons):
+            if reason is not None:
+                finished[rid] = reason
+
+
+def _run_until_idle(scheduler: Scheduler, finished: dict | None = None) -> dict[str, dict]:
+    finished = {} if finished is None else finished
+    for _ in range(1000):
+        _step(scheduler, finished)
+        if scheduler.is_idle():
+            return finished
+    raise AssertionError("scheduler did not become idle")
+
+
+def test_abort_running_waiting_and_chunked(qwen3_moe_path):
+    args = ServerArgs(
+        model_path=qwen3_moe_path,
+        max_total_tokens=512,
+        max_running_requests=2,
+        chunked_prefill_size=8,
+    )
+    scheduler = Scheduler(args)
+    prompts = make_prompts(5, seed=3)
+    for i, ids in enumerate(prompts):
+        scheduler.add_request(_tokenized(f"r{i}", ids + [1] * 20))
+    finished: dict[str, dict] = {}
+    _step(scheduler, finished)  # r0 is mid-chunk now
+    assert scheduler.chunked_req is not None
+    scheduler.abort_request(AbortReq(scheduler.chunked_req.rid))
+    for _ in range(6):
+        _step(scheduler, finished)
+    running = [r.rid for r in scheduler.running_batch.reqs]
+    waiting = [r.rid for r in scheduler.waiting_queue]
+    assert running and waiting
+    scheduler.abort_request(AbortReq(running[0]))
+    scheduler.abort_request(AbortReq(waiting[-1]))
+    _run_until_idle(scheduler, finished)
+    assert finished["r0"]["type"] == "abort"
+    assert finished[running[0]]["type"] == "abort" and finished[waiting[-1]]["type"] == "abort"
+    assert sum(r["type"] == "length" for r in finished.values()) == 2
+    scheduler.check_memory()
+    state = scheduler.get_internal_state()
+    assert state["num_running_reqs"] == 0 and state["num_protected_tokens"] == 0
+
+
+def test_too_long_input_is_aborted(qwen3_moe_path):
+    scheduler = Scheduler(ServerArgs(model_path=qwen3_moe_path, max_total_tokens=64))
+    scheduler.add_request(_tokenized("long", list(range(3, 100))))
+    scheduler.add_request(_tokenized("ok", [5, 6, 7]))
+    finished = _run_until_idle(scheduler)
+    assert finished["long"]["type"] == "abort" and "Input length" in finished["long"]["message"]
+    assert finished["ok"] == {"type": "length", "length": 8}
+    scheduler.check_memory()
+
+
+def test_streaming_deltas_add_up(qwen3_moe_path):
+    from transformers import AutoTokenizer
+
+    from srt.managers.detokenizer import DetokenizerManager
+
+    scheduler = Scheduler(ServerArgs(model_path=qwen3_moe_path, max_total_tokens=512))
+    detok = DetokenizerManager(AutoTokenizer.from_pretrained(qwen3_moe_path))
+    req = _tokenized("s", [5, 6, 7, 8], max_new_tokens=10)
+    req.stream = True
+    scheduler.add_request(req)
+    ids, texts = [], []
+    while not scheduler.is_idle():
+        for out in scheduler.step():
+            text_out = detok.handle_batch_token_id_out(out)
+            ids.extend(text_out.output_ids[0])
+            texts.append(text_out.output_strs[0])
+    assert len(texts) == 10 and len(ids) == 10
+    assert all(texts[-1].startswith(t) for t in texts)
+    assert texts[-1] == detok.tokenizer.decode(ids, skip_special_tokens=True)
+    scheduler.check_memory()
