@@ -92,6 +92,16 @@ class ServerArgs:
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )
+    # HTTP server
+    host: str = field(default="127.0.0.1", metadata=_arg("server", "Address to listen on."))
+    port: int = field(default=30000, metadata=_arg("server", "Port to listen on."))
+    api_key: str | None = field(
+        default=None,
+        metadata=_arg("server", "Require 'Authorization: Bearer KEY' on every route but /health."),
+    )
+    served_model_name: str | None = field(
+        default=None, metadata=_arg("server", "Model name on the OpenAI API; default: the path.")
+    )
     log_level: str = field(
         default="info",
         metadata=_arg("logging", "Logging level.", choices=["debug", "info", "warning", "error"]),

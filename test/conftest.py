@@ -24,3 +24,17 @@ def deepseek_v2_path(tiny_models: dict[str, str]) -> str:
 @pytest.fixture(scope="session")
 def deepseek_v3_path(tiny_models: dict[str, str]) -> str:
     return tiny_models["tiny-deepseek-v3"]
+
+
+def _assert_kv_pool_full(engine) -> None:
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_running_reqs"] == state["num_waiting_reqs"] == 0
+    assert state["num_protected_tokens"] == 0
+    assert state["num_free_tokens"] + state["num_evictable_tokens"] == state["max_total_num_tokens"]
+
+
+@pytest.fixture
+def assert_kv_pool_full():
+    """Checks through the engine's internal state that no request is left and every KV slot is
+    free or evictable from the prefix cache (nothing leaked)."""
+    return _assert_kv_pool_full

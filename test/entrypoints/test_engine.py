@@ -18,22 +18,25 @@ def eng(qwen3_moe_path):
     engine.shutdown()
 
 
-def test_shapes_single_and_batch(eng):
+def test_shapes_single_and_batch(assert_kv_pool_full, eng):
     out = eng.generate(PROMPT, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
     assert set(out) == {"text", "output_ids", "meta_info"}
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert meta["completion_tokens"] == len(out["output_ids"]) == 5
-    assert meta["prompt_tokens"] == len(eng.tokenizer.encode(PROMPT)) and meta["e2e_latency"] > 0
+    assert (
+        meta["prompt_tokens"] == len(eng.tokenizer_manager.tokenizer.encode(PROMPT))
+        and meta["e2e_latency"] > 0
+    )
     outs = eng.generate([PROMPT, "hello"], {"max_new_tokens": 3, "temperature": 0})
     assert isinstance(outs, list) and len(outs) == 2
     assert outs[0]["output_ids"] == out["output_ids"][: len(outs[0]["output_ids"])]
     ids_out = eng.generate(
-        input_ids=eng.tokenizer.encode(PROMPT),
+        input_ids=eng.tokenizer_manager.tokenizer.encode(PROMPT),
         sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
     )
     assert ids_out["output_ids"] == out["output_ids"]
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
 
 
 def test_unknown_server_arg_is_type_error():
@@ -50,20 +53,20 @@ def test_unknown_server_arg_is_type_error():
         ({"top_k": "5"}, "top_k"),
     ],
 )
-def test_bad_sampling_params_raise_before_scheduling(eng, params, field):
+def test_bad_sampling_params_raise_before_scheduling(assert_kv_pool_full, eng, params, field):
     with pytest.raises(ValueError, match=field):
         eng.generate([PROMPT, "second"], [{"max_new_tokens": 2}, params])
-    assert eng.scheduler.is_idle()
+    assert_kv_pool_full(eng)
 
 
-def test_bad_request_shapes(eng):
+def test_bad_request_shapes(assert_kv_pool_full, eng):
     with pytest.raises(ValueError):
         eng.generate(None, {"max_new_tokens": 2})
     with pytest.raises(ValueError, match="sampling_params"):
         eng.generate([PROMPT, "b"], [{"max_new_tokens": 2}])
 
 
-def test_seeded_sampling_reproducible(eng):
+def test_seeded_sampling_reproducible(assert_kv_pool_full, eng):
     params = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 42, "ignore_eos": True}
     first = eng.generate(PROMPT, params)["output_ids"]
     batch = eng.generate(["other prompt", PROMPT], [{**params, "sampling_seed": 7}, params])
@@ -71,13 +74,13 @@ def test_seeded_sampling_reproducible(eng):
     assert eng.generate(PROMPT, params)["output_ids"] == first
 
 
-def test_top_k_one_equals_greedy(eng):
+def test_top_k_one_equals_greedy(assert_kv_pool_full, eng):
     greedy = eng.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     top1 = eng.generate(PROMPT, {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True})
     assert top1["output_ids"] == greedy["output_ids"]
 
 
-def test_stop_string_trimmed(eng):
+def test_stop_string_trimmed(assert_kv_pool_full, eng):
     full = eng.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
     text = full["text"]
     stop = text[4:7]
@@ -90,7 +93,7 @@ def test_stop_string_trimmed(eng):
     assert out["output_ids"] == full["output_ids"][: len(out["output_ids"])]
 
 
-def test_stop_token_id(eng):
+def test_stop_token_id(assert_kv_pool_full, eng):
     full = eng.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     stop_id = full["output_ids"][3]
     out = eng.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_id]})
@@ -99,21 +102,20 @@ def test_stop_token_id(eng):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
 
 
-def test_too_long_input_aborts_and_engine_keeps_working(eng):
-    context_len = eng.scheduler.model_config.context_len
-    out = eng.generate(input_ids=[5] * (context_len + 10), sampling_params={"max_new_tokens": 2})
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "exceeds" in out["meta_info"]["finish_reason"]["message"]
-    over = eng.generate(input_ids=[5] * 10, sampling_params={"max_new_tokens": context_len})
-    assert over["meta_info"]["finish_reason"]["type"] == "abort"
+def test_too_long_input_rejected_and_engine_keeps_working(assert_kv_pool_full, eng):
+    info = eng.get_server_info()
+    with pytest.raises(ValueError, match="more than the maximum input length"):
+        eng.generate(input_ids=[5] * (info["max_req_input_len"] + 1))
+    with pytest.raises(ValueError, match="maximum context length"):
+        eng.generate(input_ids=[5] * 10, sampling_params={"max_new_tokens": info["context_len"]})
     ok = eng.generate(PROMPT, {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert ok["meta_info"]["completion_tokens"] == 2
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
 
 
 @pytest.mark.parametrize("start", [0, 4])
-def test_logprobs_match_separate_forward(eng, qwen3_moe_path, start):
-    prompt = eng.tokenizer.encode(PROMPT)
+def test_logprobs_match_separate_forward(assert_kv_pool_full, eng, qwen3_moe_path, start):
+    prompt = eng.tokenizer_manager.tokenizer.encode(PROMPT)
     eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})  # cache the prompt
     out = eng.generate(
         input_ids=prompt,
@@ -142,10 +144,10 @@ def test_logprobs_match_separate_forward(eng, qwen3_moe_path, start):
         if pos > 0:
             assert abs(lp - ref[pos - 1, tid].item()) < 1e-4
     assert len(meta["input_top_logprobs"]) == len(inputs)
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
 
 
-def test_logprobs_with_chunked_prefill(qwen3_moe_path):
+def test_logprobs_with_chunked_prefill(assert_kv_pool_full, qwen3_moe_path):
     kwargs = {"model_path": qwen3_moe_path, "dtype": "float32", "max_total_tokens": 1024}
     plain, chunked = srt.Engine(**kwargs), srt.Engine(**kwargs, chunked_prefill_size=4)
     args = {
@@ -159,10 +161,12 @@ def test_logprobs_with_chunked_prefill(qwen3_moe_path):
     lp_a = [x[0] for x in a["meta_info"]["input_token_logprobs"]]
     lp_b = [x[0] for x in b["meta_info"]["input_token_logprobs"]]
     assert len(lp_a) == 27 and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4)
-    chunked.scheduler.check_memory()
+    assert_kv_pool_full(chunked)
+    plain.shutdown()
+    chunked.shutdown()
 
 
-def test_flush_cache_and_server_info(eng):
+def test_flush_cache_and_server_info(assert_kv_pool_full, eng):
     eng.generate(PROMPT, {"max_new_tokens": 2})
     info = eng.get_server_info()
     assert info["internal_states"][0]["num_evictable_tokens"] > 0

@@ -40,21 +40,22 @@ def reference(request, tiny_models):
     for prompt in prompts:
         alone.append(eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"])
         assert eng.flush_cache()
-    return path, eng, prompts, alone
+    yield path, eng, prompts, alone
+    eng.shutdown()
 
 
-def test_batch_and_radix_hit_match_alone(reference):
+def test_batch_and_radix_hit_match_alone(assert_kv_pool_full, reference):
     _, eng, prompts, alone = reference
     assert output_ids(eng, prompts) == alone
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
     again = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in again] == alone
     assert all(o["meta_info"]["cached_tokens"] == len(p) - 1 for o, p in zip(again, prompts))
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
     assert eng.flush_cache()
 
 
-def test_shared_prefix_hit_matches_alone(reference):
+def test_shared_prefix_hit_matches_alone(assert_kv_pool_full, reference):
     _, eng, prompts, _ = reference
     base = make_prompts(1, seed=7)[0] + [11, 12, 13, 14, 15, 16, 17, 18]
     first = [base + p[:5] for p in prompts[:4]]
@@ -66,7 +67,7 @@ def test_shared_prefix_hit_matches_alone(reference):
     outs = eng.generate(input_ids=first[1:], sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == solo[1:]
     assert all(o["meta_info"]["cached_tokens"] >= len(base) for o in outs)
-    eng.scheduler.check_memory()
+    assert_kv_pool_full(eng)
 
 
 @pytest.mark.parametrize(
@@ -78,11 +79,11 @@ def test_shared_prefix_hit_matches_alone(reference):
     ],
     ids=["chunked", "no-radix-chunked", "lpm-max-running"],
 )
-def test_configs_match_alone(reference, kwargs):
+def test_configs_match_alone(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
-    eng = engine(path, **kwargs)
-    assert output_ids(eng, prompts) == alone
-    eng.scheduler.check_memory()
+    with engine(path, **kwargs) as eng:
+        assert output_ids(eng, prompts) == alone
+        assert_kv_pool_full(eng)
 
 
 @pytest.mark.parametrize(
@@ -94,12 +95,12 @@ def test_configs_match_alone(reference, kwargs):
     ],
     ids=["unchunked", "chunked", "no-radix"],
 )
-def test_retraction_keeps_greedy_output(reference, kwargs):
+def test_retraction_keeps_greedy_output(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
-    eng = engine(path, max_total_tokens=150, **kwargs)
-    assert output_ids(eng, prompts) == alone
-    assert eng.scheduler.get_internal_state()["num_retracted_reqs"] > 0
-    eng.scheduler.check_memory()
+    with engine(path, max_total_tokens=150, **kwargs) as eng:
+        assert output_ids(eng, prompts) == alone
+        assert eng.get_server_info()["internal_states"][0]["num_retracted_reqs"] > 0
+        assert_kv_pool_full(eng)
 
 
 def _tokenized(rid: str, ids: list[int], max_new_tokens: int = 8) -> TokenizedGenerateReqInput:

@@ -1,0 +1,163 @@
+"""The HTTP server: SGLang's native routes and the OpenAI API over one TokenizerManager."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from srt.entrypoints.launcher import launch_subprocesses
+from srt.managers.io_struct import GenerateReqInput
+from srt.managers.tokenizer_manager import TokenizerManager
+from srt.server_args import ServerArgs
+from srt.utils.logging import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, status: int = 400) -> Response:
+    return json_response({"error": {"message": message, "code": status}}, status)
+
+
+def sse_line(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def parse_generate_request(request: Request) -> GenerateReqInput:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    names = {f.name for f in dataclasses.fields(GenerateReqInput)} - {"is_single", "batch_size"}
+    unknown = sorted(set(body) - names)
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(unknown)}")
+    return GenerateReqInput(**body)
+
+
+async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
+    """Starts the request (so bad input still gets a 400), then streams SSE lines."""
+    gen = tm.generate_request(obj, request)
+    first = await gen.__anext__()
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield sse_line(first)
+        async for out in gen:
+            yield sse_line(out)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+def add_native_routes(
+    app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict
+) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1})
+        async for _ in tm.generate_request(obj):
+            pass
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return json_response(
+            {
+                "model_path": server_args.model_path,
+                "tokenizer_path": server_args.tokenizer_path,
+                "is_generation": True,
+            }
+        )
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        state = await tm.get_internal_state()
+        return json_response(
+            {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": [state]}
+        )
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await tm.flush_cache():
+            return Response("Cache flushed.\n", status_code=200)
+        return error_response("Cache not flushed: requests are running.", 400)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            rid = orjson.loads(await request.body())["rid"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return error_response('expected a JSON body {"rid": "..."}')
+        tm.abort_request(str(rid))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = tm.metrics.render(await tm.get_internal_state())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        try:
+            obj = await parse_generate_request(request)
+            if obj.stream:
+                return await stream_generate(tm, obj, request)
+            result = None
+            async for out in tm.generate_request(obj, request):
+                result = out
+            return json_response(result)
+        except (ValueError, TypeError) as e:
+            return error_response(str(e))
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict) -> FastAPI:
+    from srt.entrypoints.openai.serving import add_openai_routes
+
+    app = FastAPI(title="srt")
+    if server_args.api_key:
+        expected = f"Bearer {server_args.api_key}"
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+                return error_response("Unauthorized: missing or wrong API key.", 401)
+            return await call_next(request)
+
+    add_native_routes(app, tm, server_args, scheduler_info)
+    add_openai_routes(app, tm)
+    return app
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    configure_logging(server_args.log_level, prefix="http")
+    runtime = launch_subprocesses(server_args, exit_on_child_death=True)
+    app = create_app(runtime.tokenizer_manager, server_args, runtime.scheduler_info)
+    logger.info(
+        "serving %s on http://%s:%d", server_args.model_path, server_args.host, server_args.port
+    )
+    try:
+        uvicorn.run(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            loop="uvloop",
+            log_level=server_args.log_level,
+            timeout_keep_alive=5,
+        )
+    finally:
+        runtime.shutdown()

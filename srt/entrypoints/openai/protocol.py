@@ -1,0 +1,274 @@
+"""The OpenAI wire format: request models (with SGLang's sampling extras) and response and
+stream-chunk models for /v1/completions, /v1/chat/completions and /v1/models.
+
+Unknown request fields are ignored, as OpenAI does; fields of features this server does not
+implement are accepted by the models and refused by ``check_supported`` with a clear message.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat: the model, streaming, and sampling."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        """Raise ValueError for a feature this server does not implement."""
+        if self.n != 1:
+            raise ValueError(f"n > 1 is not supported (n={self.n})")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang's sampling_params dict; unset fields are left to the runtime's defaults."""
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_new_tokens": self.min_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "sampling_seed": self.seed,
+        }
+        return {name: value for name, value in params.items() if value is not None}
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of > 1 is not supported (best_of={self.best_of})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.functions or self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tools and function calling are not supported")
+        if self.function_call not in (None, "none", "auto"):
+            raise ValueError("tools and function calling are not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                f"response_format of type '{self.response_format.type}' is not supported"
+            )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
+
+
+# ---------------------------------------------------------------------------- responses
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _OptionalUsage(OpenAIBaseModel):
+    """Stream chunks carry ``usage`` only in the final usage chunk; the key is left out
+    elsewhere. Subclasses declare ``usage`` last, where OpenAI puts it."""
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_usage(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("usage") is None:
+            data.pop("usage", None)
+        return data
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float | None] | None] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(_OptionalUsage):
+    """A whole completion, and also one stream chunk (OpenAI uses the same object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionStreamResponse(_OptionalUsage):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "srt"
+    root: str
+    max_model_len: int
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorResponse(OpenAIBaseModel):
+    object: Literal["error"] = "error"
+    message: str
+    type: str
+    code: int

@@ -1,0 +1,222 @@
+"""TokenizerManager: the asyncio side of the server. Tokenizes and validates requests, sends
+them to the scheduler, and streams detokenized results back to each caller."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from srt.managers.metrics import TokenizerMetrics
+from srt.managers.request_state import ReqState
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from srt.utils.ipc import AsyncReceiver, PortArgs, Sender
+
+logger = logging.getLogger(__name__)
+DISCONNECT_CHECK_S = 1.0
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict):
+        from transformers import AutoTokenizer
+
+        self.server_args = server_args
+        self.model_path = server_args.model_path
+        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+        self.context_len = scheduler_info["context_len"]
+        self.vocab_size = scheduler_info["vocab_size"]
+        self.max_req_input_len = scheduler_info["max_req_input_len"]
+        self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
+        self.send_to_scheduler = Sender(zmq.Context.instance(), port_args.scheduler_input)
+        self.recv_from_detokenizer = AsyncReceiver(
+            zmq.asyncio.Context(), port_args.tokenizer_input, bind=True
+        )
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.control_futures: dict[type, asyncio.Future] = {}
+        self.control_lock: asyncio.Lock | None = None
+        self.handle_loop_task: asyncio.Task | None = None
+        self.metrics = TokenizerMetrics()
+        self.fatal_error: str | None = None  # set when a child process died
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """Validate one (single) request; raises ValueError naming what is wrong."""
+        input_ids = obj.input_ids if obj.input_ids is not None else self.tokenizer.encode(obj.text)
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(input_ids) > self.max_req_input_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens, more than the maximum "
+                f"input length of {self.max_req_input_len} tokens"
+            )
+        params = SamplingParams.from_dict(obj.sampling_params)
+        params.verify(self.vocab_size)
+        if len(input_ids) + params.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"the request needs {len(input_ids) + params.max_new_tokens} tokens (prompt "
+                f"{len(input_ids)} + max_new_tokens {params.max_new_tokens}), more than the "
+                f"maximum context length of {self.context_len}"
+            )
+        params.normalize(self.tokenizer)
+        return TokenizedGenerateReqInput(
+            rid=obj.rid,
+            input_text=obj.text,
+            input_ids=list(input_ids),
+            sampling_params=params,
+            return_logprob=obj.return_logprob,
+            logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num,
+            stream=obj.stream,
+        )
+
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None
+    ) -> AsyncIterator[dict | list[dict]]:
+        """Yields result dicts (SGLang's shape): every update when streaming, else the final one
+        (a list of them for a batch). Raises ValueError for bad input before anything runs."""
+        self._ensure_handle_loop()
+        obj.normalize_batch_and_arguments()
+        items = [obj[i] for i in range(obj.batch_size)]
+        tokenized = [self.tokenize(item) for item in items]
+        if any(item.rid in self.rid_to_state for item in items):
+            raise ValueError("rid: a request with this id is already running")
+        states = [self._submit(item, tok) for item, tok in zip(items, tokenized)]
+        if obj.is_single:
+            async for out in self._wait_one(states[0], request):
+                yield out
+        elif obj.stream:
+            async for out in self._merge_streams(states, request):
+                yield out
+        else:
+            yield [await self._final(s, request) for s in states]
+
+    def _submit(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput) -> ReqState:
+        state = ReqState(obj, len(tokenized.input_ids), self.tokenizer)
+        self.rid_to_state[obj.rid] = state
+        self.send_to_scheduler.send(tokenized)
+        return state
+
+    async def _wait_one(self, state: ReqState, request: Any) -> AsyncIterator[dict]:
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(state.event.wait(), DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    if self.fatal_error is not None:
+                        raise RuntimeError(self.fatal_error) from None
+                    if request is not None and await request.is_disconnected():
+                        self.abort_request(state.obj.rid)
+                        return
+                    continue
+                state.event.clear()
+                if state.finished:
+                    yield state.result()
+                    return
+                if state.obj.stream:
+                    yield state.result()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.abort_request(state.obj.rid)
+            raise
+        finally:
+            self.rid_to_state.pop(state.obj.rid, None)
+
+    async def _final(self, state: ReqState, request: Any) -> dict:
+        result = None
+        async for out in self._wait_one(state, request):
+            result = out
+        return result
+
+    async def _merge_streams(self, states: list[ReqState], request: Any) -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, state: ReqState) -> None:
+            async for out in self._wait_one(state, request):
+                await queue.put({**out, "index": index})
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield out
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def abort_request(self, rid: str) -> None:
+        if rid in self.rid_to_state:
+            self.send_to_scheduler.send(AbortReq(rid))
+
+    # ------------------------------------------------------------------ control
+    async def _control(self, request: object, reply_type: type) -> Any:
+        self._ensure_handle_loop()
+        async with self.control_lock:
+            future = asyncio.get_running_loop().create_future()
+            self.control_futures[reply_type] = future
+            self.send_to_scheduler.send(request)
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), DISCONNECT_CHECK_S)
+                except asyncio.TimeoutError:
+                    if self.fatal_error is not None:
+                        raise RuntimeError(self.fatal_error) from None
+
+    async def flush_cache(self) -> bool:
+        return (await self._control(FlushCacheReq(), FlushCacheReqOutput)).success
+
+    async def get_internal_state(self) -> dict:
+        return (await self._control(GetInternalStateReq(), GetInternalStateReqOutput)).state
+
+    # ------------------------------------------------------------------ results
+    def _ensure_handle_loop(self) -> None:
+        if self.fatal_error is not None:
+            raise RuntimeError(self.fatal_error)
+        if self.handle_loop_task is None:
+            self.control_lock = asyncio.Lock()
+            self.handle_loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = await self.recv_from_detokenizer.recv()
+            if isinstance(msg, BatchStrOutput):
+                self._handle_batch_output(msg)
+            elif type(msg) in self.control_futures:
+                future = self.control_futures.pop(type(msg))
+                if not future.done():
+                    future.set_result(msg)
+            else:
+                logger.error("tokenizer manager received unexpected %s", type(msg).__name__)
+
+    def _handle_batch_output(self, out: BatchStrOutput) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # aborted and forgotten
+            self.metrics.observe(state, out, i, now)
+            state.update(out, i)
+            state.event.set()

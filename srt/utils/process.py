@@ -1,0 +1,120 @@
+"""Child processes: spawn, ready handshake over a pipe, and a watchdog that takes the whole server
+down (non-zero exit, naming the child) when one dies."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+logger = logging.getLogger(__name__)
+_CTX = mp.get_context("spawn")
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.process.BaseProcess
+    ready_reader: Connection | None
+
+
+def start_child(name: str, target: Callable[..., None], *args: Any, ready: bool = True) -> Child:
+    """Start ``target(*args, ready_writer)`` (or ``target(*args)``) in a spawned process."""
+    reader, writer = _CTX.Pipe(duplex=False) if ready else (None, None)
+    full_args = (*args, writer) if ready else args
+    process = _CTX.Process(target=target, args=full_args, name=name, daemon=True)
+    process.start()
+    if writer is not None:
+        writer.close()
+    return Child(name, process, reader)
+
+
+def wait_ready(children: list[Child], timeout: float | None = None) -> list[dict]:
+    """Each child sends one dict: ``{"status": "ready", ...}`` or ``{"status": "error", ...}``."""
+    infos = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for child in children:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not child.ready_reader.poll(remaining):
+            raise RuntimeError(f"{child.name} did not report ready in time")
+        try:
+            info = child.ready_reader.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"{child.name} exited during start-up (exit code {child.process.exitcode})"
+            ) from None
+        if info.get("status") != "ready":
+            raise RuntimeError(f"{child.name} failed to start: {info.get('error')}")
+        infos.append(info)
+    return infos
+
+
+def kill_children(children: list[Child], timeout: float = 3.0) -> None:
+    for child in children:
+        if child.process.is_alive():
+            child.process.terminate()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+        if child.process.is_alive():
+            child.process.kill()
+            child.process.join(1.0)
+
+
+class Watchdog:
+    """Watches child sentinels from a thread. On an unexpected death it logs the child's name,
+    calls ``on_death(name)``, stops the other children and, with ``exit_process``, exits this
+    process with status 1."""
+
+    def __init__(
+        self,
+        children: list[Child],
+        on_death: Callable[[str], None] | None = None,
+        exit_process: bool = True,
+    ):
+        self.children = children
+        self.on_death = on_death
+        self.exit_process = exit_process
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="srt-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        sentinels = {c.process.sentinel: c for c in self.children}
+        dead = wait(list(sentinels))
+        if self.stopping:
+            return
+        child = sentinels[dead[0]]
+        logger.error(
+            "child process %s (pid %d) died with exit code %s; shutting down",
+            child.name,
+            child.process.pid,
+            child.process.exitcode,
+        )
+        if self.on_death is not None:
+            self.on_death(child.name)
+        kill_children(self.children, timeout=2.0)
+        if self.exit_process:
+            os._exit(1)
+
+
+def set_parent_death_signal() -> None:
+    """For children: get SIGKILL when the parent dies, so no child outlives the server, and
+    leave Ctrl-C (SIGINT to the whole process group) to the parent, which stops the tree."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
