@@ -3,14 +3,19 @@ MLP, exposed as a list of operations."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState, Operation, execute_operations
 from srt.layers.communicator import LayerCommunicator
 from srt.layers.layernorm import RMSNorm
+from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.moe.moe_block import SparseMoeBlock
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
 
 
 class MoEDecoderLayer(nn.Module):
@@ -64,11 +69,12 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    """Embedding → decoder layers → final norm. Subclasses fill ``layers``."""
+    """Embedding → decoder layers → final norm."""
 
-    def _init_parts(self, config, layers: list[nn.Module], embed: nn.Module) -> None:
-        self.embed_tokens = embed
-        self.layers = nn.ModuleList(layers)
+    def __init__(self, config, layer_cls: type[MoEDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
@@ -76,3 +82,32 @@ class MoEModel(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+
+class MoECausalLM(nn.Module):
+    """``model`` (MoEModel of ``layer_cls``) + LM head. Subclasses set ``layer_cls`` and
+    ``weight_mapping``; parameter names follow the HF checkpoints."""
+
+    layer_cls: type[MoEDecoderLayer]
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = MoEModel(config, self.layer_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, batch)
+        return self.logits_processor(hidden, self.lm_head.weight, batch)
+
+    def weight_mapping(self) -> WeightMapping:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        mapping = self.weight_mapping()
+        if getattr(self.config, "tie_word_embeddings", False):
+            mapping.skip_prefixes = (*mapping.skip_prefixes, "lm_head.")
+        load_weights_by_mapping(self, weights, mapping)

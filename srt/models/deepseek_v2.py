@@ -3,15 +3,12 @@ multi-head latent attention with absorbed weights, shared experts, dense first l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.mlp import GatedMLP
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
@@ -22,10 +19,8 @@ from srt.layers.rotary_embedding import (
     rope_parameters,
     yarn_softmax_scale_factor,
 )
-from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
-from srt.models.decoder_layer import MoEDecoderLayer, MoEModel
+from srt.model_loader.weight_utils import WeightMapping
+from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 
 
 class DeepseekV2MLA(nn.Module):
@@ -149,39 +144,15 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
         self._init_norms(h, config.rms_norm_eps)
 
 
-class DeepseekV2Model(MoEModel):
-    def __init__(self, config):
-        super().__init__()
-        self._init_parts(
-            config,
-            [DeepseekV2DecoderLayer(config, i) for i in range(config.num_hidden_layers)],
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size),
-        )
+class DeepseekV2ForCausalLM(MoECausalLM):
+    layer_cls = DeepseekV2DecoderLayer
 
-
-class DeepseekV2ForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
-        hidden = self.model(input_ids, positions, batch)
-        return self.logits_processor(hidden, self.lm_head.weight, batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        mapping = WeightMapping(
+    def weight_mapping(self) -> WeightMapping:
+        return WeightMapping(
             stacked=[("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)],
             num_experts=getattr(self.config, "n_routed_experts", None) or 0,
             num_layers=self.config.num_hidden_layers,
-            skip_prefixes=("lm_head.",) if tied else (),
         )
-        load_weights_by_mapping(self, weights, mapping)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

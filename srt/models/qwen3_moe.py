@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
-from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from srt.layers.mlp import GatedMLP
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from srt.model_executor.forward_batch_info import ForwardBatch
-from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
-from srt.models.decoder_layer import MoEDecoderLayer, MoEModel
+from srt.model_loader.weight_utils import WeightMapping
+from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -85,41 +79,21 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
         self._init_norms(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3MoeModel(MoEModel):
-    def __init__(self, config):
-        super().__init__()
-        self._init_parts(
-            config,
-            [Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)],
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size),
-        )
+class Qwen3MoeForCausalLM(MoECausalLM):
+    layer_cls = Qwen3MoeDecoderLayer
 
-
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3MoeModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
-        hidden = self.model(input_ids, positions, batch)
-        return self.logits_processor(hidden, self.lm_head.weight, batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        mapping = WeightMapping(
+    def weight_mapping(self) -> WeightMapping:
+        return WeightMapping(
             stacked=[
                 ("qkv_proj", "q_proj", "q"),
                 ("qkv_proj", "k_proj", "k"),
                 ("qkv_proj", "v_proj", "v"),
+                ("gate_up_proj", "gate_proj", 0),
+                ("gate_up_proj", "up_proj", 1),
             ],
             num_experts=self.config.num_experts,
-            skip_prefixes=("lm_head.",) if self.config.tie_word_embeddings else (),
+            num_layers=self.config.num_hidden_layers,
         )
-        load_weights_by_mapping(self, weights, mapping)
 
 
 EntryClass = Qwen3MoeForCausalLM
