@@ -113,11 +113,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, name="", shard_id: int | None = None):
-        if shard_id is None:
-            return super().weight_loader(param, loaded, name)
+        if shard_id is None:  # a fused checkpoint tensor: split it into its parts
+            for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, name, i)
+            return
         local = [_divide(s, self.tp_size, "output size") for s in self.output_sizes]
-        offset = sum(local[:shard_id])
-        rows = local[shard_id]
+        full_shape = (self.output_sizes[shard_id], *param.shape[1:])
+        if tuple(loaded.shape) != full_shape:
+            copy_checked(param.new_empty(full_shape), loaded, name)  # raises, naming both
+        offset, rows = sum(local[:shard_id]), local[shard_id]
         src = loaded.narrow(0, self.tp_rank * rows, rows)
         copy_checked(param.data.narrow(0, offset, rows), src, name)
 
@@ -128,7 +132,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(
         self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp_rank=0, tp_size=1
     ):
+        if num_kv_heads >= tp_size:
+            _divide(num_kv_heads, tp_size, "number of KV heads")
+        elif tp_size % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} is not a multiple of the number "
+                f"of KV heads ({num_kv_heads})"
+            )
         self.head_dim = head_dim
+        self.total_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
         self.num_heads = _divide(num_heads, tp_size, "number of attention heads")
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
@@ -136,8 +148,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output, bias, tp_rank, tp_size)
 
     def weight_loader(self, param, loaded, name="", shard_id: str | None = None):
-        if shard_id is None:
-            return super().weight_loader(param, loaded, name)
+        if shard_id is None:  # a fused checkpoint tensor: split it into q, k, v
+            sizes = [self.total_heads[k] * self.head_dim for k in "qkv"]
+            for key, part in zip("qkv", loaded.split(sizes, dim=0)):
+                self.weight_loader(param, part, name, key)
+            return
+        full_shape = (self.total_heads[shard_id] * self.head_dim, *param.shape[1:])
+        if tuple(loaded.shape) != full_shape:
+            copy_checked(param.new_empty(full_shape), loaded, name)  # raises, naming both
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas

@@ -16,7 +16,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = num_embeddings
         per_rank = -(-num_embeddings // tp_size)
-        self.start = tp_rank * per_rank
+        self.start = min(tp_rank * per_rank, num_embeddings)
         self.end = min(num_embeddings, self.start + per_rank)
         self.tp_size = tp_size
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
