@@ -1,0 +1,42 @@
+"""``--deepep-mode auto``: the normal dispatcher for extend batches, low_latency otherwise."""
+
+from __future__ import annotations
+
+from srt.layers.moe.token_dispatcher.base import DispatchOutput, TokenDispatcher
+from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
+from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
+
+
+class TorchA2AAutoDispatcher(TokenDispatcher):
+    """Picks a mode per dispatch from ``is_extend``, which must be the *global* forward mode
+    (is any DP rank extending?): every EP rank must pick the same mode, since the two modes
+    issue different collectives. An idle rank follows the others."""
+
+    def __init__(self, normal: TorchA2ANormalDispatcher, low_latency: TorchA2ALowLatencyDispatcher):
+        self.normal, self.low_latency = normal, low_latency
+        self._active: TokenDispatcher | None = None
+
+    def dispatch_a(self, hidden_states, topk_weights, topk_ids, *, is_extend=None) -> None:
+        if is_extend is None:
+            raise ValueError("--deepep-mode auto needs is_extend (the global forward mode)")
+        if self._active is not None:
+            raise RuntimeError("dispatcher dispatch_a called before the last combine_b")
+        self._active = self.normal if is_extend else self.low_latency
+        self._active.dispatch_a(hidden_states, topk_weights, topk_ids)
+
+    @property
+    def active(self) -> TokenDispatcher:
+        if self._active is None:
+            raise RuntimeError("dispatcher used without a dispatch_a")
+        return self._active
+
+    def dispatch_b(self) -> DispatchOutput:
+        return self.active.dispatch_b()
+
+    def combine_a(self, expert_output) -> None:
+        self.active.combine_a(expert_output)
+
+    def combine_b(self):
+        out = self.active.combine_b()
+        self._active = None
+        return out

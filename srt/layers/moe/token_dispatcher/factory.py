@@ -1,0 +1,75 @@
+"""``create_dispatcher``: the token dispatcher for ``--moe-a2a-backend`` and ``--deepep-mode``.
+
+Build one per micro-batch (TBO builds two): each instance owns its buffers."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from srt.layers.moe.token_dispatcher.auto import TorchA2AAutoDispatcher
+from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
+from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
+from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
+from srt.layers.moe.token_dispatcher.torch_a2a import DUPLEX_MIN_BYTES
+
+DEEPEP_MODES = ("normal", "low_latency", "auto")
+
+
+def create_dispatcher(
+    backend: str,
+    deepep_mode: str = "auto",
+    *,
+    groups: Sequence[ProcessGroup] = (),
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    num_experts: int = 0,
+    top_k: int = 0,
+    hidden_size: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    max_dispatch_tokens_per_rank: int = 128,
+    device: torch.device | str = "cpu",
+    duplex_min_bytes: int = DUPLEX_MIN_BYTES,
+) -> TokenDispatcher:
+    """``groups``: the EP process group, or two over the same ranks for full duplex on gloo,
+    used for exchanges whose largest link carries ≥ ``duplex_min_bytes`` (see ``torch_a2a``).
+    Everything but ``backend`` and ``deepep_mode`` is ignored for ``none``."""
+    if deepep_mode not in DEEPEP_MODES:
+        raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODES}")
+    if backend == "none":
+        return StandardDispatcher()
+    if backend == "deepep":
+        _check_deepep()
+        raise NotImplementedError("--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet")
+    if backend != "torch":
+        raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
+    common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
+    normal = lambda: TorchA2ANormalDispatcher(*common, duplex_min_bytes)
+    if deepep_mode == "normal":
+        return normal()
+    low_latency = TorchA2ALowLatencyDispatcher(
+        *common, max_dispatch_tokens_per_rank, device, duplex_min_bytes
+    )
+    if deepep_mode == "low_latency":
+        return low_latency
+    return TorchA2AAutoDispatcher(normal(), low_latency)
+
+
+def _check_deepep() -> None:
+    missing = []
+    try:
+        importlib.import_module("deep_ep")
+    except Exception as e:  # ImportError, or a broken CUDA extension (OSError, RuntimeError)
+        missing.append(f"deep_ep does not import ({type(e).__name__}: {e})")
+    if not torch.cuda.is_available():
+        missing.append("CUDA is not available")
+    if missing:
+        raise RuntimeError(
+            "--moe-a2a-backend deepep needs deep_ep and CUDA: "
+            + "; ".join(missing)
+            + " (use --moe-a2a-backend torch)"
+        )
