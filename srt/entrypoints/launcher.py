@@ -28,6 +28,7 @@ class Runtime:
     def shutdown(self) -> None:
         self.watchdog.stopping = True
         kill_children(self.children)
+        self.tokenizer_manager.close()
         shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
 
 

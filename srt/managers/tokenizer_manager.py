@@ -44,9 +44,10 @@ class TokenizerManager:
         self.vocab_size = scheduler_info["vocab_size"]
         self.max_req_input_len = scheduler_info["max_req_input_len"]
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
-        self.send_to_scheduler = Sender(zmq.Context.instance(), port_args.scheduler_input)
+        self.zmq_context, self.zmq_async_context = zmq.Context(), zmq.asyncio.Context()
+        self.send_to_scheduler = Sender(self.zmq_context, port_args.scheduler_input)
         self.recv_from_detokenizer = AsyncReceiver(
-            zmq.asyncio.Context(), port_args.tokenizer_input, bind=True
+            self.zmq_async_context, port_args.tokenizer_input, bind=True
         )
         self.rid_to_state: dict[str, ReqState] = {}
         self.control_futures: dict[type, asyncio.Future] = {}
@@ -170,6 +171,13 @@ class TokenizerManager:
     def abort_request(self, rid: str) -> None:
         if rid in self.rid_to_state:
             self.send_to_scheduler.send(AbortReq(rid))
+
+    def close(self) -> None:
+        """Close the sockets and their contexts (an open context blocks garbage collection)."""
+        self.send_to_scheduler.socket.close(linger=0)
+        self.recv_from_detokenizer.socket.close(linger=0)
+        self.zmq_context.term()
+        self.zmq_async_context.term()
 
     # ------------------------------------------------------------------ control
     async def _control(self, request: object, reply_type: type) -> Any:
