@@ -45,7 +45,9 @@ def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int):
 def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -> ScheduleBatch:
     reqs = []
     for i, ids in enumerate(input_ids):
-        params = SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True)
+        # min_new_tokens masks EOS exactly as HF generate's min_new_tokens does.
+        params = SamplingParams(max_new_tokens=output_len, min_new_tokens=output_len,
+                                temperature=0, ignore_eos=True)
         params.normalize(None)
         req = Req(str(i), ids, params)
         req.init_next_round_input(ctx.tree_cache)
@@ -199,7 +201,7 @@ def main() -> None:
             f"Warmup ...\nBenchmark: batch size {batch_size}, input len {input_len}, "
             f"output len {output_len}"
         )
-        run_once(runner, ctx, [inputs[0][:8]], 4, verbose=False)
+        run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
         result = run_once(runner, ctx, inputs, output_len, verbose=True)
         if hf_model is not None:
             result |= compare_with_hf(hf_model, inputs, output_len, result)

@@ -11,7 +11,11 @@ from srt.layers.linear import copy_checked
 
 class FusedMoE(nn.Module):
     """Experts ``[start, start + num_local)`` of ``num_experts``, weights stacked:
-    ``w13_weight`` [E_local, 2·I, H] (gate | up) and ``w2_weight`` [E_local, H, I]."""
+    ``w13_weight`` [E_local, 2·I, H] (gate | up) and ``w2_weight`` [E_local, H, I].
+
+    Expert TP (``tp_size > 1``): each rank holds the ``I / tp_size`` slice ``tp_rank`` of every
+    local expert's intermediate dimension, so its output is a partial sum; the caller reduces
+    it over the MoE-TP (and EP) ranks."""
 
     def __init__(
         self,
@@ -20,13 +24,21 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         ep_rank: int = 0,
         ep_size: int = 1,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ):
         super().__init__()
         if num_experts % ep_size:
             raise ValueError(f"{num_experts} experts cannot be split over {ep_size} ranks")
+        if intermediate_size % tp_size:
+            raise ValueError(
+                f"moe intermediate size {intermediate_size} cannot be split over {tp_size} ranks"
+            )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.start = ep_rank * self.num_local_experts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        intermediate_size //= tp_size
         self.intermediate_size = intermediate_size
         e, i, h = self.num_local_experts, intermediate_size, hidden_size
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h))
@@ -41,6 +53,9 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
         i = self.intermediate_size
+        dim = 1 if shard_id == "w2" else 0  # w1/w3 [I, H], w2 [H, I]
+        if self.tp_size > 1 and loaded.shape[dim] == i * self.tp_size:
+            loaded = loaded.narrow(dim, self.tp_rank * i, i)
         dst = {"w1": lambda p: p[:i], "w3": lambda p: p[i:], "w2": lambda p: p}[shard_id](
             param.data[local]
         )
@@ -52,27 +67,26 @@ class FusedMoE(nn.Module):
         """hidden_states [T, H]; topk_* [T, topk] with global ids → Σ_k w·expert(x), [T, H].
 
         Ids outside this rank's range contribute nothing (they are another rank's)."""
-        out = torch.zeros_like(hidden_states)
-        if hidden_states.shape[0] == 0:
-            return out
-        top_k = topk_ids.shape[1]
+        num_tokens, top_k = topk_ids.shape
+        if num_tokens == 0:
+            return torch.zeros_like(hidden_states)
         local_ids = (topk_ids - self.start).flatten()  # [T·topk]
         outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
         local_ids = local_ids.masked_fill(outside, self.num_local_experts)  # sorts last
         order = torch.argsort(local_ids, stable=True)
         counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1).tolist()
-        weights = topk_weights.flatten()
+        # One output row per (token, k) slot; other ranks' slots stay zero.
+        slots = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[1])
         begin = 0
         for e in range(self.num_local_experts):
-            n = counts[e]
-            if n == 0:
-                continue
-            sel = order[begin : begin + n]
-            begin += n
-            tokens = sel // top_k
-            x = hidden_states[tokens]
-            gate_up = F.linear(x, self.w13_weight[e])
-            h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-            y = F.linear(h, self.w2_weight[e]) * weights[sel, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-        return out
+            sel = order[begin : begin + counts[e]]
+            begin += counts[e]
+            if counts[e]:
+                slots[sel] = self._expert(e, hidden_states[sel // top_k])
+        weights = topk_weights.to(hidden_states.dtype).unsqueeze(-1)  # [T, topk, 1]
+        return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.w13_weight[e])
+        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
+        return F.linear(h, self.w2_weight[e])
