@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import sys
 from collections.abc import AsyncIterator
 
 import orjson
@@ -49,7 +51,10 @@ async def parse_generate_request(request: Request) -> GenerateReqInput:
 async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
     """Starts the request (so bad input still gets a 400), then streams SSE lines."""
     gen = tm.generate_request(obj, request)
-    first = await gen.__anext__()
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:  # the client left before the first output; it was aborted
+        return Response(status_code=499)
 
     async def lines() -> AsyncIterator[bytes]:
         yield sse_line(first)
@@ -150,6 +155,9 @@ def launch_server(server_args: ServerArgs) -> None:
     logger.info(
         "serving %s on http://%s:%d", server_args.model_path, server_args.host, server_args.port
     )
+    # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so the
+    # process tree and the IPC directory are cleaned up below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(
             app,

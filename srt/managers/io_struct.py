@@ -53,6 +53,8 @@ class GenerateReqInput:
         self.rid = self._expand("rid", self.rid, str, None)
         if len(set(self.rid)) != n:
             raise ValueError("rid: request ids in a batch must be distinct")
+        if self.stream is None:
+            self.stream = False
         if not isinstance(self.stream, bool):
             raise ValueError(f"stream must be a boolean, got {self.stream!r}")
 

@@ -65,6 +65,13 @@ class TokenizerManager:
         bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if obj.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {obj.top_logprobs_num}")
+        if not -1 <= obj.logprob_start_len < len(input_ids):
+            raise ValueError(
+                f"logprob_start_len must be -1 or in [0, {len(input_ids)}), got "
+                f"{obj.logprob_start_len}"
+            )
         if len(input_ids) > self.max_req_input_len:
             raise ValueError(
                 f"the prompt has {len(input_ids)} tokens, more than the maximum "
@@ -109,7 +116,7 @@ class TokenizerManager:
             async for out in self._merge_streams(states, request):
                 yield out
         else:
-            yield [await self._final(s, request) for s in states]
+            yield await self._gather_final(states, request)
 
     def _submit(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(obj, len(tokenized.input_ids), self.tokenizer)
@@ -146,6 +153,16 @@ class TokenizerManager:
         async for out in self._wait_one(state, request):
             result = out
         return result
+
+    async def _gather_final(self, states: list[ReqState], request: Any) -> list[dict]:
+        """All results of a non-streamed batch, awaited together so a disconnect aborts every
+        request at once."""
+        tasks = [asyncio.create_task(self._final(s, request)) for s in states]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _merge_streams(self, states: list[ReqState], request: Any) -> AsyncIterator[dict]:
         queue: asyncio.Queue = asyncio.Queue()

@@ -1,0 +1,275 @@
+"""The real HTTP server end to end (``python -m launch_server`` on a loopback port): the openai
+client, native /generate (single, batch, stream), parity with srt.Engine, and the other routes."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess, assert_pool_full, running_server, wait_idle
+from transformers import AutoTokenizer
+
+import srt
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1 2 3 4 5",
+    "Hello",
+]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
+    with running_server(qwen3_moe_path) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def print_server_log(server: ServerProcess) -> Iterator[None]:
+    start = server.log_size()
+    yield
+    print(server.log(start))  # pytest shows it only when the test fails
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_moe_path: str):
+    return AutoTokenizer.from_pretrained(qwen3_moe_path)
+
+
+def generate(http: httpx.Client, **body) -> dict | list[dict]:
+    response = http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def sse_data(lines: Iterator[str]) -> Iterator[str]:
+    """The payloads of the ``data:`` lines of an SSE body."""
+    return (line[len("data: ") :] for line in lines if line.startswith("data: "))
+
+
+def stream_generate(http: httpx.Client, **body) -> list[dict]:
+    """The JSON events of a streamed /generate, after checking it ends with [DONE]."""
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = list(sse_data(response.iter_lines()))
+    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+# ------------------------------------------------------------------------------ OpenAI
+def test_openai_models(client: openai.OpenAI, qwen3_moe_path: str) -> None:
+    assert [model.id for model in client.models.list()] == [qwen3_moe_path]
+
+
+def test_openai_completion(client: openai.OpenAI, tokenizer, qwen3_moe_path: str) -> None:
+    kwargs = dict(model=qwen3_moe_path, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    out = client.completions.create(**kwargs)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    num_prompt = len(tokenizer.encode(PROMPTS[0]))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, 8)
+    assert out.usage.total_tokens == num_prompt + 8
+
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+
+
+def test_openai_chat(client: openai.OpenAI, tokenizer, qwen3_moe_path: str) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=qwen3_moe_path, messages=messages, max_tokens=10, temperature=0)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    num_prompt = len(tokenizer.encode(template, add_special_tokens=False))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, 10)
+    assert out.usage.total_tokens == num_prompt + 10
+
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+# ------------------------------------------------------------------------------ /generate
+def assert_meta(out: dict, num_prompt: int, max_new_tokens: int) -> None:
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == num_prompt
+    assert meta["completion_tokens"] == len(out["output_ids"]) == max_new_tokens
+    assert meta["finish_reason"] == {"type": "length", "length": max_new_tokens}
+    assert meta["e2e_latency"] > 0
+    assert 0 <= meta["cached_tokens"] < num_prompt
+    assert isinstance(meta["id"], str) and isinstance(out["text"], str)
+
+
+def test_generate_text_and_input_ids(http: httpx.Client, tokenizer) -> None:
+    assert http.post("/flush_cache").status_code == 200
+    ids = tokenizer.encode(PROMPTS[2])
+    params = {**GREEDY, "max_new_tokens": 12}
+    by_text = generate(http, text=PROMPTS[2], sampling_params=params)
+    assert_meta(by_text, len(ids), 12)
+    assert by_text["meta_info"]["cached_tokens"] == 0  # the cache was just flushed
+    assert by_text["text"] == tokenizer.decode(by_text["output_ids"])
+    by_ids = generate(http, input_ids=ids, sampling_params=params)
+    assert_meta(by_ids, len(ids), 12)
+    assert by_ids["output_ids"] == by_text["output_ids"]
+    assert by_ids["meta_info"]["cached_tokens"] > 0  # the same prompt again: a prefix hit
+
+
+def test_generate_batch(http: httpx.Client, tokenizer) -> None:
+    params = [{**GREEDY, "max_new_tokens": n} for n in (3, 5, 7)]
+    outs = generate(http, text=PROMPTS[:3], sampling_params=params)
+    assert isinstance(outs, list) and len(outs) == 3
+    for prompt, out, p in zip(PROMPTS, outs, params):
+        assert_meta(out, len(tokenizer.encode(prompt)), p["max_new_tokens"])
+    assert len({out["meta_info"]["id"] for out in outs}) == 3
+    outs = generate(http, input_ids=[tokenizer.encode(p) for p in PROMPTS[3:]], sampling_params={})
+    assert len(outs) == 2 and all(out["meta_info"]["finish_reason"] for out in outs)
+
+
+def test_generate_stream(http: httpx.Client, tokenizer) -> None:
+    params = {**GREEDY, "max_new_tokens": 10}
+    events = stream_generate(http, text=PROMPTS[1], sampling_params=params)
+    final = events[-1]
+    assert_meta(final, len(tokenizer.encode(PROMPTS[1])), 10)
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"])  # cumulative text
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert before["meta_info"]["finish_reason"] is None
+    assert [e["meta_info"]["completion_tokens"] for e in events] == [
+        len(e["output_ids"]) for e in events
+    ]
+    plain = generate(http, text=PROMPTS[1], sampling_params=params)
+    assert (final["text"], final["output_ids"]) == (plain["text"], plain["output_ids"])
+
+    batch = stream_generate(http, text=PROMPTS[:2], sampling_params={**GREEDY, "max_new_tokens": 4})
+    last = {e["index"]: e for e in batch}
+    assert sorted(last) == [0, 1]
+    assert all(e["meta_info"]["finish_reason"]["type"] == "length" for e in last.values())
+
+
+def test_generate_stop(http: httpx.Client) -> None:
+    params = {**GREEDY, "max_new_tokens": 12}
+    full = generate(http, text=PROMPTS[0], sampling_params=params)
+    stop_id = full["output_ids"][3]
+    out = generate(http, text=PROMPTS[0], sampling_params={**params, "stop_token_ids": [stop_id]})
+    first = full["output_ids"].index(stop_id)
+    assert out["output_ids"] == full["output_ids"][: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["meta_info"]["completion_tokens"] == first + 1
+
+    stop = full["text"][len(full["text"]) // 2 :][:3]
+    out = generate(http, text=PROMPTS[0], sampling_params={**params, "stop": [stop]})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"] and full["text"].startswith(out["text"])
+
+
+def test_generate_matches_engine(http: httpx.Client, qwen3_moe_path: str) -> None:
+    params = {**GREEDY, "max_new_tokens": 16}
+    assert http.post("/flush_cache").status_code == 200
+    served = [generate(http, text=p, sampling_params=params) for p in PROMPTS]
+    engine = srt.Engine(model_path=qwen3_moe_path, dtype="float32", max_total_tokens=4096)
+    try:
+        offline = [engine.generate(p, params) for p in PROMPTS]
+    finally:
+        engine.shutdown()
+    for s, o in zip(served, offline):
+        assert (s["text"], s["output_ids"]) == (o["text"], o["output_ids"])
+        assert s["meta_info"]["finish_reason"] == o["meta_info"]["finish_reason"]
+
+
+# ------------------------------------------------------------------------------ other routes
+def test_health_model_info_and_flush(
+    http: httpx.Client, server: ServerProcess, qwen3_moe_path: str
+) -> None:
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    info = http.get("/get_model_info").json()
+    assert info["model_path"] == qwen3_moe_path and info["is_generation"] is True
+    wait_idle(server.url)
+    assert http.post("/flush_cache").status_code == 200
+    assert http.get("/flush_cache").status_code == 200
+    assert http.get("/no_such_route").status_code == 404
+
+
+def test_abort_request_ends_stream(http: httpx.Client, server: ServerProcess) -> None:
+    body = {"text": PROMPTS[2], "rid": "to-abort", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": 1500, "ignore_eos": True}
+    events = []
+    with http.stream("POST", "/generate", json=body) as response:
+        payloads = sse_data(response.iter_lines())
+        for payload in payloads:
+            if payload == "[DONE]":
+                break
+            events.append(json.loads(payload))
+            if len(events) == 2:
+                flush = http.post("/flush_cache")  # refused while a request runs
+                assert flush.status_code == 400 and "running" in flush.json()["error"]["message"]
+                assert http.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
+        rest = list(payloads)
+    assert payload == "[DONE]" and rest == []
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and events[-1]["meta_info"]["id"] == "to-abort"
+    assert len(events[-1]["output_ids"]) < 1500
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert_pool_full(wait_idle(server.url))
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    values = {}
+    for line in response.text.splitlines():
+        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)", line)
+        if match:
+            values[match[1] + (match[2] or "")] = float(match[3])
+    return values
+
+
+def test_metrics_grow(http: httpx.Client) -> None:
+    names = ["srt:prompt_tokens_total", "srt:generation_tokens_total"]
+    names += [
+        f"srt:{name}_seconds_count"
+        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency")
+    ]
+    before = metric_values(http)
+    stream_generate(http, text=PROMPTS[3], sampling_params={**GREEDY, "max_new_tokens": 6})
+    generate(http, text=PROMPTS[4], sampling_params={**GREEDY, "max_new_tokens": 4})
+    after = metric_values(http)
+    for name in names:
+        assert after[name] > before.get(name, 0.0), name
+    assert after["srt:generation_tokens_total"] - before["srt:generation_tokens_total"] == 10
+    for gauge in ("srt:num_running_reqs", "srt:num_queue_reqs", "srt:token_usage"):
+        assert gauge in after
+    assert after["srt:num_running_reqs"] == after["srt:num_queue_reqs"] == 0

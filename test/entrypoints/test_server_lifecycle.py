@@ -1,0 +1,118 @@
+"""Separate real server instances: --api-key, the death of the scheduler, and SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess, is_running, running_server, wait_gone
+
+GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+PROTECTED = [
+    ("GET", "/health_generate", None),
+    ("GET", "/get_model_info", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/metrics", None),
+    ("GET", "/flush_cache", None),
+    ("POST", "/flush_cache", None),
+    ("POST", "/abort_request", {"rid": "x"}),
+    ("POST", "/generate", GENERATE),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("GET", "/no_such_route", None),
+]
+
+
+def test_api_key(qwen3_moe_path: str) -> None:
+    with running_server(qwen3_moe_path, "--api-key", "secret") as server:
+        with httpx.Client(base_url=server.url, timeout=60.0) as http:
+            for auth in (None, "Bearer wrong", "secret", "Bearer secret2", "Basic secret"):
+                headers = {} if auth is None else {"Authorization": auth}
+                for method, route, body in PROTECTED:
+                    response = http.request(method, route, json=body, headers=headers)
+                    assert response.status_code == 401, (auth, method, route, response.text)
+                    assert "API key" in response.json()["error"]["message"]
+            assert http.get("/health").status_code == 200
+
+            good = {"Authorization": "Bearer secret"}
+            response = http.post("/generate", json=GENERATE, headers=good)
+            assert response.status_code == 200, response.text
+            assert response.json()["meta_info"]["completion_tokens"] == 2
+            assert http.get("/get_server_info", headers=good).status_code == 200
+        url = server.url + "/v1"
+        models = openai.OpenAI(base_url=url, api_key="secret", max_retries=0).models.list()
+        assert [model.id for model in models] == [qwen3_moe_path]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+
+
+def proc_text(pid: int, name: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int:
+    return int(proc_text(pid, "stat").rsplit(")", 1)[1].split()[19])
+
+
+def scheduler_pid(server: ServerProcess, model_path: str) -> int:
+    """The spawned child that maps the model's weight files; else the first one started
+    (the launcher starts the scheduler before the detokenizer)."""
+    spawned = [pid for pid in server.children() if "spawn_main" in proc_text(pid, "cmdline")]
+    assert len(spawned) >= 2, f"expected a scheduler and a detokenizer, got {spawned}"
+    model_dir = os.path.realpath(model_path)
+    holding = [pid for pid in spawned if model_dir in proc_text(pid, "maps")]
+    if len(holding) == 1:
+        return holding[0]
+    return min(spawned, key=lambda pid: (start_ticks(pid), pid))
+
+
+def test_scheduler_death_stops_server(qwen3_moe_path: str) -> None:
+    with running_server(qwen3_moe_path) as server:
+        children = server.children()
+        scheduler = scheduler_pid(server, qwen3_moe_path)
+        body = {"text": "Hello", "stream": True}
+        body["sampling_params"] = {"max_new_tokens": 2000, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=10.0) as http:
+            with http.stream("POST", "/generate", json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(scheduler, signal.SIGKILL)
+                code = server.wait_exit(timeout=5.0)
+                # The stream in flight ends (cut off) instead of hanging.
+                with pytest.raises(httpx.HTTPError):
+                    for line in lines:
+                        assert "[DONE]" not in line
+        log = server.log()
+        assert code is not None and code != 0, f"server still running or exit 0:\n{log}"
+        named = [
+            line for line in log.splitlines() if "scheduler" in line and str(scheduler) in line
+        ]
+        assert named, f"no log line names the dead scheduler (pid {scheduler}):\n{log}"
+        assert wait_gone(children, timeout=5.0) == [], "children left behind"
+
+
+def test_sigterm_stops_server_and_children(qwen3_moe_path: str) -> None:
+    with running_server(qwen3_moe_path) as server:
+        with httpx.Client(base_url=server.url, timeout=60.0) as http:
+            assert http.post("/generate", json=GENERATE).status_code == 200
+        children = server.children()
+        assert len(children) >= 2 and all(is_running(pid) for pid in children)
+        ipc = server.ipc_dirs
+        assert ipc and all(os.path.isdir(path) for path in ipc)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.wait_exit(timeout=10.0)
+        log = server.log()
+        assert code is not None, "still running 10 s after SIGTERM"
+        assert wait_gone(children, timeout=5.0) == [], "children left behind"
+        assert "Traceback" not in log, log
+        # A clean stop: exit status 0 (not killed by the signal) and the IPC directory removed.
+        left = sorted(path for path in ipc if os.path.exists(path))
+        assert (code, left) == (0, []), f"exit code {code}, IPC directories left {left}:\n{log}"
