@@ -61,12 +61,11 @@ class TorchNativeAttnBackend(AttentionBackend):
                 mask = pos[None, :] <= (pos[prefix:, None])  # [E, S]
             o = F.scaled_dot_product_attention(
                 query,
-                key,
-                value,
+                _expand_kv(key, layer, dim=0),
+                _expand_kv(value, layer, dim=0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=layer.scaling,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
             )
             out[start : start + new] = o.transpose(0, 1)
         return out
@@ -86,3 +85,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
         return o.squeeze(2)  # [B, H, Dv]
+
+
+def _expand_kv(x: torch.Tensor, layer, dim: int) -> torch.Tensor:
+    """Repeat KV heads for grouped-query attention in extend: SDPA's own ``enable_gqa`` with a
+    causal mask takes the slow math kernel on CPU instead of the fused one."""
+    group = layer.num_heads // layer.num_kv_heads
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
