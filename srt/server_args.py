@@ -92,6 +92,15 @@ class ServerArgs:
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )
+    # Parallelism
+    tp_size: int = field(
+        default=1,
+        metadata=_arg(
+            "parallel",
+            "Tensor-parallel size: the number of rank processes (one node).",
+            aliases=["--tp"],
+        ),
+    )
     # HTTP server
     host: str = field(default="127.0.0.1", metadata=_arg("server", "Address to listen on."))
     port: int = field(default=30000, metadata=_arg("server", "Port to listen on."))
@@ -143,6 +152,7 @@ class ServerArgs:
             "max_running_requests",
             "must be positive",
         )
+        require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
         require(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,
@@ -164,6 +174,37 @@ class ServerArgs:
     def enable_chunked_prefill(self) -> bool:
         return self.chunked_prefill_size != -1
 
+    def check_against_model(self, hf_config: Any) -> None:
+        """What needs the model's config: experts, heads and MLP sizes must split over the
+        ranks. Raised at start-up, before any rank process starts."""
+        from srt.distributed.parallel_state import ParallelConfig
+
+        layout = ParallelConfig(tp_size=self.tp_size)
+        flag = f"--tp-size {self.tp_size}"
+        num_experts = getattr(hf_config, "num_experts", None) or getattr(
+            hf_config, "n_routed_experts", None
+        )
+        if num_experts and self.tp_size > num_experts:
+            raise ValueError(f"{flag}: more ranks than experts ({num_experts})")
+        if num_experts and num_experts % layout.moe_ep_size:
+            raise ValueError(f"{flag}: {num_experts} experts do not split over the EP ranks")
+        sizes = {
+            "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
+            "moe_intermediate_size": getattr(hf_config, "moe_intermediate_size", None),
+            "intermediate_size": getattr(hf_config, "intermediate_size", None),
+        }
+        divisors = {"moe_intermediate_size": layout.moe_tp_size}
+        for name, size in sizes.items():
+            ranks = divisors.get(name, layout.attn_tp_size)
+            if size and size % ranks:
+                raise ValueError(f"{flag}: the model's {name} ({size}) is not divisible by {ranks}")
+        kv_heads = getattr(hf_config, "num_key_value_heads", None)
+        if kv_heads and kv_heads % self.tp_size and self.tp_size % kv_heads:
+            raise ValueError(
+                f"{flag}: the model's num_key_value_heads ({kv_heads}) neither divides nor is "
+                f"a multiple of the tensor-parallel size"
+            )
+
     # ----------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -173,12 +214,12 @@ class ServerArgs:
             group = meta.pop("group")
             if group not in groups:
                 groups[group] = parser.add_argument_group(group)
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", [])]
             if f.type in ("bool", bool):
-                groups[group].add_argument(flag, action="store_true", **meta)
+                groups[group].add_argument(*flags, action="store_true", **meta)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
-            groups[group].add_argument(flag, type=kind, default=f.default, **meta)
+            groups[group].add_argument(*flags, type=kind, default=f.default, **meta)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

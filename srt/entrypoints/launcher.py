@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from srt.managers.detokenizer_process import run_detokenizer_process
 from srt.managers.scheduler_process import run_scheduler_process
 from srt.managers.tokenizer_manager import TokenizerManager
+from srt.model_loader.config import ModelConfig
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs
 from srt.utils.process import Child, Watchdog, kill_children, start_child, wait_ready
@@ -36,8 +37,13 @@ def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> R
     """Spawn the children, wait until every scheduler is ready, then build the
     TokenizerManager. A child that dies later is reported by the watchdog: the server exits
     (``exit_on_child_death``); the Engine fails its pending and later requests instead."""
+    if server_args.tp_size > 1:  # fail before any rank starts
+        server_args.check_against_model(ModelConfig.from_server_args(server_args).hf_config)
     port_args = PortArgs()
-    schedulers = [start_child("scheduler rank 0", run_scheduler_process, server_args, port_args)]
+    schedulers = [
+        start_child(f"scheduler rank {rank}", run_scheduler_process, server_args, port_args, rank)
+        for rank in range(server_args.tp_size)
+    ]
     detokenizer = start_child(
         "detokenizer", run_detokenizer_process, server_args, port_args, ready=False
     )

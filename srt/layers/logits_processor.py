@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.distributed.communication_op import all_gather
+from srt.distributed.group_coordinator import GroupCoordinator
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -20,9 +22,14 @@ class LogitsProcessorOutput:
 
 
 class LogitsProcessor(torch.nn.Module):
-    def __init__(self, vocab_size: int):
+    """With a vocabulary-parallel LM head (``tp_group`` of several ranks) each rank computes the
+    logits of its vocabulary rows; they are all-gathered (identical on every rank, so every rank
+    samples the same tokens) and the padding rows past ``vocab_size`` are dropped."""
+
+    def __init__(self, vocab_size: int, tp_group: GroupCoordinator | None = None):
         super().__init__()
         self.vocab_size = vocab_size
+        self.tp_group = tp_group
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
@@ -43,7 +50,10 @@ class LogitsProcessor(torch.nn.Module):
         return LogitsProcessorOutput(next_logits, input_logits)
 
     def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(hidden, weight.t())[:, : self.vocab_size].float()
+        logits = torch.matmul(hidden, weight.t())
+        if self.tp_group is not None:
+            logits = all_gather(self.tp_group, logits, dim=-1)
+        return logits[:, : self.vocab_size].float()
 
     @staticmethod
     def _logprob_rows(batch: ForwardBatch) -> list[int]:

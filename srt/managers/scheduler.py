@@ -47,18 +47,21 @@ def check_request_length(req: Req, context_len: int, max_total_tokens: int) -> s
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, model_runner: Any = None):
+    """``parallel``: this rank's groups under tensor parallelism (default: one rank). Every rank
+    runs the same schedule on the same messages, so their batches stay identical."""
+
+    def __init__(self, server_args: ServerArgs, model_runner: Any = None, parallel: Any = None):
         self.server_args = server_args
-        self._init_model_runner(model_runner)
+        self._init_model_runner(model_runner, parallel)
         self._init_tokenizer()
         self._init_cache()
         self._init_state()
 
-    def _init_model_runner(self, model_runner: Any) -> None:
+    def _init_model_runner(self, model_runner: Any, parallel: Any) -> None:
         if model_runner is None:
             from srt.model_executor.model_runner import ModelRunner
 
-            model_runner = ModelRunner(self.server_args)
+            model_runner = ModelRunner(self.server_args, parallel=parallel)
         self.model_runner = model_runner
         self.model_config = model_runner.model_config
         self.max_total_num_tokens = model_runner.max_total_num_tokens

@@ -1,5 +1,9 @@
 """ModelRunner: loads the model, sizes and owns the KV pools and the attention backend, runs
-the forward pass and sampling."""
+the forward pass and sampling.
+
+Under tensor parallelism each rank has its own ModelRunner with its shard of the model (heads,
+vocabulary, expert slices) and a KV pool of its local heads (MLA: the full latent). All ranks
+agree on the pool size (the minimum over ranks), so their schedulers stay in lock-step."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import logging
 
 import torch
 
+from srt.distributed.communication_op import all_gather_object
+from srt.distributed.parallel_state import ParallelState
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
@@ -32,9 +38,20 @@ def available_memory_bytes(device: str) -> int:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None):
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig | None = None,
+        parallel: ParallelState | None = None,
+    ):
         self.server_args = server_args
         self.device = torch.device(server_args.device)
+        self.parallel = parallel or ParallelState.single_rank(self.device)
+        if self.parallel.tp_size != server_args.tp_size:
+            raise ValueError(
+                f"--tp-size {server_args.tp_size} needs a parallel state of that many ranks "
+                f"(got {self.parallel.tp_size})"
+            )
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
         self._init_model()
         self._init_memory_pools()
@@ -43,7 +60,7 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
-        self.model = load_model(self.model_config, self.device)
+        self.model = load_model(self.model_config, self.device, self.parallel)
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype
@@ -53,7 +70,9 @@ class ModelRunner:
                 size, dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, layers, self.device
             )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return MHATokenToKVPool(size, dtype, cfg.num_key_value_heads, head_dim, layers, self.device)
+        # This rank's KV heads (replicated when fewer than ranks, as QKVParallelLinear).
+        num_kv_heads = max(1, cfg.num_key_value_heads // self.parallel.attn_tp_size)
+        return MHATokenToKVPool(size, dtype, num_kv_heads, head_dim, layers, self.device)
 
     def _profile_max_num_tokens(self) -> int:
         sa = self.server_args
@@ -64,6 +83,7 @@ class ModelRunner:
             tokens = (
                 min(tokens, sa.max_total_tokens) if sa.device == "cuda" else sa.max_total_tokens
             )
+        tokens = min(all_gather_object(self.parallel.world, tokens))
         if tokens < 16:
             raise RuntimeError(
                 f"not enough memory for the KV cache ({tokens} tokens); raise "

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState, Operation, execute_operations
+from srt.distributed.communication_op import all_reduce
+from srt.distributed.parallel_state import ParallelState
 from srt.layers.communicator import LayerCommunicator
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -20,15 +22,26 @@ from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
 
 class MoEDecoderLayer(nn.Module):
     """Subclasses build ``self_attn`` (with ``op_prepare_attn`` / ``op_core_attn``) and ``mlp``
-    (a SparseMoeBlock or a dense module), then call ``_init_norms``."""
+    (a SparseMoeBlock or a dense module), then call ``_init_norms``. Under tensor parallelism
+    both leave partial sums (row-parallel o_proj, down_proj and experts); the communicator
+    reduces them.
+
+    Routed experts follow the ParallelState's MoE layout: with ``--moe-a2a-backend none`` that
+    is expert TP (``moe_ep_size`` 1, every rank holds a 1/T slice of every expert's
+    intermediate dimension), as SGLang. Chosen over EP-style sharding for plain TP because each
+    rank's work is then a T-th of the MoE whatever the routing (EP-style leaves ranks idle when
+    routing is skewed); the same all-reduce completes either layout, so an explicit ``ep_size``
+    needs no other change."""
 
     self_attn: nn.Module
     mlp: nn.Module
 
-    def _init_norms(self, hidden_size: int, eps: float) -> None:
+    def _init_norms(self, hidden_size: int, eps: float, parallel: ParallelState) -> None:
         self.input_layernorm = RMSNorm(hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
-        self.comm = LayerCommunicator(self.input_layernorm, self.post_attention_layernorm)
+        self.comm = LayerCommunicator(
+            self.input_layernorm, self.post_attention_layernorm, parallel.attn_tp, parallel.tp
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -71,14 +84,21 @@ class MoEDecoderLayer(nn.Module):
 class MoEModel(nn.Module):
     """Embedding → decoder layers → final norm."""
 
-    def __init__(self, config, layer_cls: type[MoEDecoderLayer]):
+    def __init__(self, config, layer_cls: type[MoEDecoderLayer], parallel: ParallelState):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.attn_tp_group = parallel.attn_tp
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size
+        )
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, parallel) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        # Each rank embeds the ids of its vocabulary shard (zeros elsewhere): sum them.
+        hidden = all_reduce(self.attn_tp_group, self.embed_tokens(input_ids))
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
@@ -86,18 +106,22 @@ class MoEModel(nn.Module):
 
 class MoECausalLM(nn.Module):
     """``model`` (MoEModel of ``layer_cls``) + LM head. Subclasses set ``layer_cls`` and
-    ``weight_mapping``; parameter names follow the HF checkpoints."""
+    ``weight_mapping``; parameter names follow the HF checkpoints. ``parallel``: this rank's
+    groups (default: one rank, no torch.distributed)."""
 
     layer_cls: type[MoEDecoderLayer]
 
-    def __init__(self, config):
+    def __init__(self, config, parallel: ParallelState | None = None):
         super().__init__()
         self.config = config
-        self.model = MoEModel(config, self.layer_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        parallel = parallel or ParallelState.single_rank()
+        self.model = MoEModel(config, self.layer_cls, parallel)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size
+        )
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, parallel.attn_tp)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden = self.model(input_ids, positions, batch)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
+from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from srt.layers.mlp import GatedMLP
@@ -26,29 +27,34 @@ from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 class DeepseekV2MLA(nn.Module):
     """MLA: the KV cache holds the normalised latent ``c_kv`` and the rotated ``k_pe``; queries
     are projected into the latent space (``W_UK`` absorbed), so attention is MQA over
-    ``kv_lora_rank + qk_rope_head_dim`` and the output is lifted back with ``W_UV``."""
+    ``kv_lora_rank + qk_rope_head_dim`` and the output is lifted back with ``W_UV``.
 
-    def __init__(self, config, layer_id: int):
+    Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel by
+    head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank
+    caches the full latent of every token. ``num_heads`` is this rank's head count."""
+
+    def __init__(self, config, layer_id: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        h = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        h, total_heads = config.hidden_size, config.num_attention_heads
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         qk_head = self.nope + self.rope
         bias = getattr(config, "attention_bias", False)
         if self.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(h, self.num_heads * qk_head)
+            self.q_proj = ColumnParallelLinear(h, total_heads * qk_head, **tp)
         else:
             self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.num_heads * qk_head)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_head, **tp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim)
+            self.kv_lora_rank, total_heads * (self.nope + self.v_head_dim), **tp
         )
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, h, bias=bias, **tp)
+        self.num_heads = total_heads // tp_size  # the column-parallel layers checked divisibility
         rope_params = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(
             self.rope,
@@ -120,14 +126,17 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(MoEDecoderLayer):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, parallel: ParallelState):
         super().__init__()
-        self.self_attn = DeepseekV2MLA(config, layer_id)
+        p = parallel
+        self.self_attn = DeepseekV2MLA(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
         h = config.hidden_size
         if is_moe_layer(config, layer_id):
             topk = _topk_config(config)
             shared = (
-                GatedMLP(h, config.moe_intermediate_size * config.n_shared_experts)
+                GatedMLP(
+                    h, config.moe_intermediate_size * config.n_shared_experts, p.tp_rank, p.tp_size
+                )
                 if config.n_shared_experts
                 else None
             )
@@ -135,13 +144,18 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
                 MoEGate(
                     config.n_routed_experts, h, topk.scoring_func == "sigmoid", fp32_logits=True
                 ),
-                FusedMoE(config.n_routed_experts, h, config.moe_intermediate_size),
+                FusedMoE(
+                    config.n_routed_experts,
+                    h,
+                    config.moe_intermediate_size,
+                    *(p.moe_ep_rank, p.moe_ep_size, p.moe_tp_rank, p.moe_tp_size),
+                ),
                 topk,
                 shared_experts=shared,
             )
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size)
-        self._init_norms(h, config.rms_norm_eps)
+            self.mlp = GatedMLP(h, config.intermediate_size, p.tp_rank, p.tp_size)
+        self._init_norms(h, config.rms_norm_eps, parallel)
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
+from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
 from srt.layers.mlp import GatedMLP
@@ -18,17 +19,26 @@ from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 
 
 class Qwen3MoeAttention(nn.Module):
-    def __init__(self, config, layer_id: int):
+    """Heads split over the attention-TP ranks; KV heads replicated when fewer than ranks."""
+
+    def __init__(self, config, layer_id: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         bias = getattr(config, "attention_bias", False)
+        tp = {"tp_rank": tp_rank, "tp_size": tp_size}
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias
+            config.hidden_size,
+            self.head_dim,
+            total_heads,
+            config.num_key_value_heads,
+            bias=bias,
+            **tp,
         )
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=bias
+            total_heads * self.head_dim, config.hidden_size, bias=bias, **tp
         )
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -65,18 +75,25 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
-    def __init__(self, config, layer_id: int):
+    def __init__(self, config, layer_id: int, parallel: ParallelState):
         super().__init__()
-        self.self_attn = Qwen3MoeAttention(config, layer_id)
+        p = parallel
+        self.self_attn = Qwen3MoeAttention(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
+        h = config.hidden_size
         if is_moe_layer(config, layer_id):
             self.mlp = SparseMoeBlock(
-                MoEGate(config.num_experts, config.hidden_size, False, fp32_logits=False),
-                FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size),
+                MoEGate(config.num_experts, h, False, fp32_logits=False),
+                FusedMoE(
+                    config.num_experts,
+                    h,
+                    config.moe_intermediate_size,
+                    *(p.moe_ep_rank, p.moe_ep_size, p.moe_tp_rank, p.moe_tp_size),
+                ),
                 TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
             )
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self._init_norms(config.hidden_size, config.rms_norm_eps)
+            self.mlp = GatedMLP(h, config.intermediate_size, p.tp_rank, p.tp_size)
+        self._init_norms(h, config.rms_norm_eps, parallel)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

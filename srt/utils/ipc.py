@@ -27,6 +27,12 @@ class PortArgs:
     """The IPC endpoints of one server instance (a private temporary directory)."""
 
     ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="srt-ipc-"))
+    # torch.distributed rendezvous of the rank processes (tcp://127.0.0.1:PORT)
+    dist_init_port: int = field(default_factory=free_port)
+
+    @property
+    def dist_init_method(self) -> str:
+        return f"tcp://127.0.0.1:{self.dist_init_port}"
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{os.path.join(self.ipc_dir, name)}"

@@ -37,23 +37,42 @@ def start_child(name: str, target: Callable[..., None], *args: Any, ready: bool 
 
 
 def wait_ready(children: list[Child], timeout: float | None = None) -> list[dict]:
-    """Each child sends one dict: ``{"status": "ready", ...}`` or ``{"status": "error", ...}``."""
-    infos = []
+    """Each child sends one dict: ``{"status": "ready", ...}`` or ``{"status": "error", ...}``.
+    Returns them in ``children`` order. Waits on all children at once, so a child that fails
+    or dies is reported at once even while others (e.g. its peer ranks, blocked in a
+    rendezvous) never become ready."""
+    infos: dict[int, dict] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
-    for child in children:
+    while len(infos) < len(children):
+        pending = [i for i in range(len(children)) if i not in infos]
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not child.ready_reader.poll(remaining):
-            raise RuntimeError(f"{child.name} did not report ready in time")
-        try:
-            info = child.ready_reader.recv()
-        except EOFError:
-            raise RuntimeError(
-                f"{child.name} exited during start-up (exit code {child.process.exitcode})"
-            ) from None
-        if info.get("status") != "ready":
-            raise RuntimeError(f"{child.name} failed to start: {info.get('error')}")
-        infos.append(info)
-    return infos
+        handles = [children[i].ready_reader for i in pending]
+        handles += [children[i].process.sentinel for i in pending]
+        if not wait(handles, remaining):
+            names = ", ".join(children[i].name for i in pending)
+            raise RuntimeError(f"{names} did not report ready in time")
+        for i in pending:
+            child = children[i]
+            if child.ready_reader.poll():
+                infos[i] = _read_ready(child)
+            elif not child.process.is_alive():
+                raise RuntimeError(
+                    f"{child.name} exited during start-up (exit code {child.process.exitcode})"
+                )
+    return [infos[i] for i in range(len(children))]
+
+
+def _read_ready(child: Child) -> dict:
+    try:
+        info = child.ready_reader.recv()
+    except EOFError:
+        child.process.join(1.0)
+        raise RuntimeError(
+            f"{child.name} exited during start-up (exit code {child.process.exitcode})"
+        ) from None
+    if info.get("status") != "ready":
+        raise RuntimeError(f"{child.name} failed to start: {info.get('error')}")
+    return info
 
 
 def kill_children(children: list[Child], timeout: float = 3.0) -> None:

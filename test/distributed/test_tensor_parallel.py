@@ -1,0 +1,99 @@
+"""Plain tensor parallelism (``--tp-size N``, ``--moe-a2a-backend none``, no DP attention):
+greedy outputs and fp32 logprobs through ``srt.Engine`` and the HTTP server equal the
+single-rank run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+import srt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from server_process import running_server  # noqa: E402
+
+PROMPTS = [
+    [5, 77, 300, 12, 9, 401, 33, 2, 18, 250, 90, 71, 6],
+    [101],
+    [44, 45, 46, 200, 310],
+    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27],
+]
+PARAMS = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+TOLERANCE = 1e-4
+
+
+def run_engine(path: str, tp_size: int, prompts: list[list[int]] = PROMPTS) -> list[dict]:
+    engine = srt.Engine(model_path=path, tp_size=tp_size, dtype="float32", max_total_tokens=1024)
+    try:
+        return engine.generate(
+            input_ids=prompts, sampling_params=PARAMS, return_logprob=True, logprob_start_len=0
+        )
+    finally:
+        engine.shutdown()
+
+
+def assert_same_outputs(ours: list[dict], reference: list[dict]) -> None:
+    assert len(ours) == len(reference)
+    for i, (out, ref) in enumerate(zip(ours, reference)):
+        assert out["output_ids"] == ref["output_ids"], f"prompt {i}"
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            got, want = out["meta_info"][key], ref["meta_info"][key]
+            assert [t[1] for t in got] == [t[1] for t in want], f"prompt {i} {key}"
+            for (lp, token, _), (ref_lp, _, _) in zip(got, want):
+                if ref_lp is None:
+                    assert lp is None
+                    continue
+                assert abs(lp - ref_lp) <= TOLERANCE, f"prompt {i} {key} token {token}"
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(qwen3_moe_path) -> list[dict]:
+    return run_engine(qwen3_moe_path, 1)
+
+
+def test_qwen3_moe_tp2_equals_single_rank(qwen3_moe_path, qwen3_reference):
+    assert_same_outputs(run_engine(qwen3_moe_path, 2), qwen3_reference)
+
+
+def test_qwen3_moe_tp4_equals_single_rank(qwen3_moe_path, qwen3_reference):
+    # 4 ranks for 2 KV heads: KV heads replicated; 8 experts' intermediate split in 4.
+    assert_same_outputs(run_engine(qwen3_moe_path, 4, PROMPTS[:2]), qwen3_reference[:2])
+
+
+def test_deepseek_v3_tp2_equals_single_rank(deepseek_v3_path):
+    assert_same_outputs(run_engine(deepseek_v3_path, 2), run_engine(deepseek_v3_path, 1))
+
+
+def test_http_server_tp2_equals_single_rank(qwen3_moe_path, qwen3_reference):
+    with running_server(qwen3_moe_path, "--tp", "2") as server:
+        response = httpx.post(
+            server.url + "/generate",
+            json={"input_ids": PROMPTS, "sampling_params": PARAMS},
+            timeout=60.0,
+        )
+        response.raise_for_status()
+        outputs = response.json()
+    assert [out["output_ids"] for out in outputs] == [r["output_ids"] for r in qwen3_reference]
+
+
+def test_tp_flag_and_alias_parse():
+    import argparse
+
+    from srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--tp", "2"]).tp_size == 2
+    assert parser.parse_args(["--tp-size", "4"]).tp_size == 4
+
+
+def test_invalid_tp_size_is_refused_naming_the_flag(qwen3_moe_path, deepseek_v3_path):
+    with pytest.raises(ValueError, match="--tp-size: must be"):
+        srt.Engine(model_path=qwen3_moe_path, tp_size=0)
+    with pytest.raises(ValueError, match="--tp-size 16: more ranks than experts"):
+        srt.Engine(model_path=qwen3_moe_path, tp_size=16)
+    with pytest.raises(ValueError, match="--tp-size 3: .*not divisible by 3"):
+        srt.Engine(model_path=deepseek_v3_path, tp_size=3)
