@@ -7,28 +7,16 @@ import importlib.util
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from server_process import ServerProcess, assert_pool_full, running_server, wait_idle
+from server_process import ServerProcess, assert_pool_full, wait_idle
+
+pytestmark = pytest.mark.usefixtures("print_server_log")
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
 NUM_PROMPTS = 10
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    with running_server(qwen3_moe_path) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def print_server_log(server: ServerProcess) -> Iterator[None]:
-    start = server.log_size()
-    yield
-    print(server.log(start))  # pytest shows it only when the test fails
 
 
 @pytest.fixture(scope="module")

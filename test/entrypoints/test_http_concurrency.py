@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -14,26 +13,14 @@ from server_process import (
     ServerProcess,
     assert_pool_full,
     internal_state,
-    running_server,
     wait_idle,
 )
+
+pytestmark = pytest.mark.usefixtures("print_server_log")
 
 NUM_STREAMS = 64
 LONG = 2000  # new tokens of a request that must be aborted long before it could finish
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    with running_server(qwen3_moe_path) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def print_server_log(server: ServerProcess) -> Iterator[None]:
-    start = server.log_size()
-    yield
-    print(server.log(start))  # pytest shows it only when the test fails
 
 
 def prompt(i: int) -> str:

@@ -18,6 +18,8 @@ from server_process import (
     wait_idle,
 )
 
+pytestmark = pytest.mark.usefixtures("print_server_log")
+
 MAX_RUNNING = 2  # so that a request can be held in the scheduler's queue
 LONG = 2000  # new tokens of a request that is aborted long before it could finish
 OK_BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 2}}
@@ -28,13 +30,6 @@ CHAT = [{"role": "user", "content": "Hi"}]
 def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
     with running_server(qwen3_moe_path, "--max-running-requests", str(MAX_RUNNING)) as srv:
         yield srv
-
-
-@pytest.fixture(autouse=True)
-def print_server_log(server: ServerProcess) -> Iterator[None]:
-    start = server.log_size()
-    yield
-    print(server.log(start))  # pytest shows it only when the test fails
 
 
 @pytest.fixture(scope="module")

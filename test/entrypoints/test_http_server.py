@@ -10,10 +10,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, assert_pool_full, running_server, wait_idle
+from server_process import ServerProcess, assert_pool_full, wait_idle
 from transformers import AutoTokenizer
 
 import srt
+
+pytestmark = pytest.mark.usefixtures("print_server_log")
 
 PROMPTS = [
     "The capital of France is",
@@ -23,19 +25,6 @@ PROMPTS = [
     "Hello",
 ]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    with running_server(qwen3_moe_path) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def print_server_log(server: ServerProcess) -> Iterator[None]:
-    start = server.log_size()
-    yield
-    print(server.log(start))  # pytest shows it only when the test fails
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,23 @@
+"""Fixtures of the end-to-end server tests: a real server per test module and its log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from server_process import ServerProcess, running_server
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
+    """A server on the tiny Qwen3-MoE; a module may override it with other flags."""
+    with running_server(qwen3_moe_path) as srv:
+        yield srv
+
+
+@pytest.fixture
+def print_server_log(server: ServerProcess) -> Iterator[None]:
+    """Prints the server log written during the test; pytest shows it only on failure."""
+    start = server.log_size()
+    yield
+    print(server.log(start))
