@@ -1,20 +1,9 @@
 from __future__ import annotations
 
-import pytest
 from openai_fakes import MODEL, FakeTokenizer, FakeTokenizerManager, make_client, sse_events
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 PROMPT = "<|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
-
-
-@pytest.fixture
-def tm() -> FakeTokenizerManager:
-    return FakeTokenizerManager()
-
-
-@pytest.fixture
-def client(tm: FakeTokenizerManager):
-    return make_client(tm)
 
 
 def test_chat(client, tm) -> None:

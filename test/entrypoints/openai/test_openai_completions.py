@@ -1,17 +1,6 @@
 from __future__ import annotations
 
-import pytest
 from openai_fakes import MODEL, MODEL_PATH, FakeTokenizerManager, make_client, sse_events
-
-
-@pytest.fixture
-def tm() -> FakeTokenizerManager:
-    return FakeTokenizerManager()
-
-
-@pytest.fixture
-def client(tm: FakeTokenizerManager):
-    return make_client(tm)
 
 
 def test_models(client) -> None:

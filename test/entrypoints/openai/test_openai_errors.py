@@ -4,21 +4,11 @@ TokenizerManager only when the refusal is the TokenizerManager's own."""
 from __future__ import annotations
 
 import pytest
-from openai_fakes import MODEL, FakeTokenizerManager, make_client
+from openai_fakes import MODEL, make_client
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture
-def tm() -> FakeTokenizerManager:
-    return FakeTokenizerManager()
-
-
-@pytest.fixture
-def client(tm: FakeTokenizerManager):
-    return make_client(tm)
 
 
 def assert_400(response, *words: str) -> None:
