@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
+MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
+DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
+LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
 
 
 def _arg(group: str, help: str, **kwargs: Any) -> dict[str, Any]:
@@ -97,8 +103,87 @@ class ServerArgs:
         default=1,
         metadata=_arg(
             "parallel",
-            "Tensor-parallel size: the number of rank processes (one node).",
+            "Tensor-parallel size: the number of rank processes, over all nodes.",
             aliases=["--tp"],
+        ),
+    )
+    dp_size: int = field(
+        default=1,
+        metadata=_arg(
+            "parallel",
+            "Attention data-parallel groups (with --enable-dp-attention); tp-size // dp-size "
+            "ranks shard attention inside each group.",
+            aliases=["--dp"],
+        ),
+    )
+    enable_dp_attention: bool = field(
+        default=False,
+        metadata=_arg(
+            "parallel",
+            "Data-parallel attention: each of --dp-size groups serves its own requests and "
+            "the MoE runs over all ranks. Off when --dp-size is 1.",
+        ),
+    )
+    enable_dp_lm_head: bool = field(
+        default=False,
+        metadata=_arg(
+            "parallel",
+            "Shard the LM head over the attention-TP group instead of all ranks (no gather "
+            "of hidden states across DP groups). Needs --enable-dp-attention.",
+        ),
+    )
+    load_balance_method: str = field(
+        default="round_robin",
+        metadata=_arg(
+            "parallel",
+            "How the data-parallel controller picks a DP group for a request.",
+            choices=LOAD_BALANCE_CHOICES,
+        ),
+    )
+    ep_size: int | None = field(
+        default=None,
+        metadata=_arg(
+            "parallel",
+            "Expert-parallel size; default tp-size with an all-to-all backend, else 1 "
+            "(experts TP-sharded).",
+            aliases=["--ep"],
+        ),
+    )
+    moe_a2a_backend: str = field(
+        default="none",
+        metadata=_arg(
+            "parallel",
+            "MoE token all-to-all: none (gather hidden states, TP/EP-sharded experts), torch "
+            "(torch.distributed all-to-all), deepep (DeepEP kernels, CUDA).",
+            choices=MOE_A2A_BACKEND_CHOICES,
+        ),
+    )
+    deepep_mode: str = field(
+        default="auto",
+        metadata=_arg(
+            "parallel",
+            "All-to-all mode: normal (exact split sizes), low_latency (fixed-capacity "
+            "buffers), auto (normal for prefill, low_latency for decode).",
+            choices=DEEPEP_MODE_CHOICES,
+        ),
+    )
+    max_dispatch_tokens_per_rank: int = field(
+        default=128,
+        metadata=_arg(
+            "parallel",
+            "low_latency capacity: tokens one rank may send to another in one dispatch.",
+        ),
+    )
+    nnodes: int = field(default=1, metadata=_arg("parallel", "Number of nodes."))
+    node_rank: int = field(
+        default=0, metadata=_arg("parallel", "This node's rank (0 serves HTTP).")
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=_arg(
+            "parallel",
+            "HOST:PORT of node 0 for the multi-node rendezvous; srt also uses the next "
+            "few ports on HOST.",
         ),
     )
     # HTTP server
@@ -134,7 +219,10 @@ class ServerArgs:
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.1
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192 if self.device == "cuda" else 2048
+        if self.max_running_requests is None:
+            self.max_running_requests = 2048 if self.device == "cuda" else 256
         self._check_ranges()
+        self._check_parallel()
 
     def _check_ranges(self) -> None:
         def require(ok: bool, flag: str, msg: str) -> None:
@@ -170,6 +258,97 @@ class ServerArgs:
         ):
             require(getattr(self, name) in choices, name, f"must be one of {choices}")
 
+    def _check_parallel(self) -> None:
+        """The parallel layout (SGLang's rules); errors name the flags."""
+        tp, dp = self.tp_size, self.dp_size
+        if dp < 1:
+            raise ValueError("--dp-size: must be ≥ 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if tp % self.nnodes:
+            raise ValueError(f"--tp-size {tp} must be divisible by --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
+        if self.enable_dp_attention and dp == 1:
+            logger.warning("--enable-dp-attention with --dp-size 1 is plain TP: turned off")
+            self.enable_dp_attention = False
+        if dp > 1 and not self.enable_dp_attention:
+            if self.nnodes > 1:
+                raise ValueError(
+                    f"--dp-size {dp} over --nnodes {self.nnodes}: multi-node data parallelism "
+                    "needs --enable-dp-attention"
+                )
+            raise ValueError(
+                f"--dp-size {dp} needs --enable-dp-attention (srt has no data-parallel "
+                "replicas without DP attention)"
+            )
+        if self.enable_dp_attention and tp % dp:
+            raise ValueError(f"--tp-size {tp} must be divisible by --dp-size {dp}")
+        if self.enable_dp_lm_head and not self.enable_dp_attention:
+            raise ValueError("--enable-dp-lm-head needs --enable-dp-attention")
+        if self.moe_a2a_backend != "none":
+            if self.ep_size not in (None, tp):
+                raise ValueError(
+                    f"--moe-a2a-backend {self.moe_a2a_backend} splits experts over all ranks: "
+                    f"--ep-size must be --tp-size ({tp}), got {self.ep_size}"
+                )
+            self.ep_size = tp
+        elif self.ep_size is None:
+            self.ep_size = 1
+        if self.ep_size < 1 or tp % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {tp}")
+        if self.max_dispatch_tokens_per_rank < 1:
+            raise ValueError("--max-dispatch-tokens-per-rank: must be positive")
+        if self.moe_a2a_backend == "deepep":
+            from srt.layers.moe.token_dispatcher.factory import check_deepep
+
+            check_deepep()
+        if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
+            self._check_low_latency_capacity()
+
+    def _check_low_latency_capacity(self) -> None:
+        """--deepep-mode low_latency sends every batch through fixed-capacity buffers: the
+        largest batch a rank can split off must fit (``auto`` falls back to normal instead)."""
+        attn_tp = self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+        cap = self.max_dispatch_tokens_per_rank
+        if not self.enable_chunked_prefill:
+            raise ValueError(
+                "--deepep-mode low_latency needs chunked prefill (a prompt's tokens must fit "
+                "--max-dispatch-tokens-per-rank); set --chunked-prefill-size"
+            )
+        limits = {
+            "--chunked-prefill-size": min(self.chunked_prefill_size, self.max_prefill_tokens),
+            "--max-running-requests": self.max_running_requests,
+        }
+        for flag, tokens in limits.items():
+            if -(-tokens // attn_tp) > cap:
+                raise ValueError(
+                    f"--deepep-mode low_latency: {flag} {tokens} puts up to "
+                    f"{-(-tokens // attn_tp)} tokens on a rank, above "
+                    f"--max-dispatch-tokens-per-rank {cap}; lower {flag}, raise "
+                    "--max-dispatch-tokens-per-rank or use --deepep-mode auto"
+                )
+
+    @property
+    def num_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def parallel_config(self):
+        from srt.distributed.parallel_state import ParallelConfig
+
+        return ParallelConfig(
+            self.tp_size,
+            self.dp_size,
+            self.enable_dp_attention,
+            self.moe_a2a_backend,
+            self.ep_size,
+        )
+
     @property
     def enable_chunked_prefill(self) -> bool:
         return self.chunked_prefill_size != -1
@@ -177,9 +356,7 @@ class ServerArgs:
     def check_against_model(self, hf_config: Any) -> None:
         """What needs the model's config: experts, heads and MLP sizes must split over the
         ranks. Raised at start-up, before any rank process starts."""
-        from srt.distributed.parallel_state import ParallelConfig
-
-        layout = ParallelConfig(tp_size=self.tp_size)
+        layout = self.parallel_config
         flag = f"--tp-size {self.tp_size}"
         num_experts = getattr(hf_config, "num_experts", None) or getattr(
             hf_config, "n_routed_experts", None
@@ -199,10 +376,11 @@ class ServerArgs:
             if size and size % ranks:
                 raise ValueError(f"{flag}: the model's {name} ({size}) is not divisible by {ranks}")
         kv_heads = getattr(hf_config, "num_key_value_heads", None)
-        if kv_heads and kv_heads % self.tp_size and self.tp_size % kv_heads:
+        attn_tp = layout.attn_tp_size
+        if kv_heads and kv_heads % attn_tp and attn_tp % kv_heads:
             raise ValueError(
                 f"{flag}: the model's num_key_value_heads ({kv_heads}) neither divides nor is "
-                f"a multiple of the tensor-parallel size"
+                f"a multiple of the attention-TP size ({attn_tp})"
             )
 
     # ----------------------------------------------------------------------------------

@@ -94,8 +94,7 @@ class ModelRunner:
     def _init_memory_pools(self) -> None:
         sa = self.server_args
         self.max_total_num_tokens = self._profile_max_num_tokens()
-        default_reqs = 2048 if sa.device == "cuda" else 256
-        self.max_running_requests = sa.max_running_requests or default_reqs
+        self.max_running_requests = sa.max_running_requests
         context_len = self.model_config.context_len
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + 1, context_len + 4, self.device

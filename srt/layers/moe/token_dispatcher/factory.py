@@ -43,7 +43,7 @@ def create_dispatcher(
     if backend == "none":
         return StandardDispatcher()
     if backend == "deepep":
-        _check_deepep()
+        check_deepep()
         raise NotImplementedError("--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet")
     if backend != "torch":
         raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
@@ -59,7 +59,7 @@ def create_dispatcher(
     return TorchA2AAutoDispatcher(normal(), low_latency)
 
 
-def _check_deepep() -> None:
+def check_deepep() -> None:
     missing = []
     try:
         importlib.import_module("deep_ep")
