@@ -17,6 +17,11 @@ class Engine:
 
     def __init__(self, **kwargs: Any):
         self.server_args = ServerArgs.from_kwargs(**kwargs)
+        if self.server_args.node_rank != 0:
+            raise ValueError(
+                "srt.Engine runs on node 0 (--node-rank 0); start the other nodes with "
+                "python -m launch_server --node-rank R"
+            )
         self.runtime = launch_subprocesses(self.server_args, exit_on_child_death=False)
         self.tokenizer_manager = self.runtime.tokenizer_manager
         self.loop = asyncio.new_event_loop()
@@ -61,11 +66,11 @@ class Engine:
         return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
 
     def get_server_info(self) -> dict:
-        state = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+        states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
         return {
             **dataclasses.asdict(self.server_args),
             **self.runtime.scheduler_info,
-            "internal_states": [state],
+            "internal_states": states,
         }
 
     def shutdown(self) -> None:

@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from srt.entrypoints.launcher import launch_subprocesses
+from srt.entrypoints.launcher import launch_subprocesses, run_follower_node
 from srt.managers.io_struct import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
@@ -91,9 +91,9 @@ def add_native_routes(
 
     @app.get("/get_server_info")
     async def get_server_info() -> Response:
-        state = await tm.get_internal_state()
+        states = await tm.get_internal_state()
         return json_response(
-            {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": [state]}
+            {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": states}
         )
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -149,6 +149,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: di
 
 
 def launch_server(server_args: ServerArgs) -> None:
+    if server_args.node_rank > 0:  # only this node's scheduler ranks; node 0 serves HTTP
+        configure_logging(server_args.log_level, prefix=f"node {server_args.node_rank}")
+        run_follower_node(server_args)
+        return
     configure_logging(server_args.log_level, prefix="http")
     runtime = launch_subprocesses(server_args, exit_on_child_death=True)
     app = create_app(runtime.tokenizer_manager, server_args, runtime.scheduler_info)

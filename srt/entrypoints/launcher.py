@@ -1,5 +1,10 @@
-"""Start srt's process tree (schedulers, detokenizer) and the TokenizerManager that talks to it;
-shared by the HTTP server and the offline Engine."""
+"""Start srt's process tree (schedulers, DP controller, detokenizer) and the TokenizerManager
+that talks to it; shared by the HTTP server and the offline Engine.
+
+Multi-node (``--nnodes N``): every node starts the scheduler ranks it hosts
+(``[node_rank·T/N, (node_rank+1)·T/N)``); node 0 also runs the DP controller, detokenizer,
+tokenizer manager and HTTP server. The other nodes run only their schedulers and follow node 0:
+when node 0 stops, their collectives fail, their schedulers exit and so do they."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 
+from srt.managers.data_parallel_controller import run_data_parallel_controller_process
 from srt.managers.detokenizer_process import run_detokenizer_process
 from srt.managers.scheduler_process import run_scheduler_process
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -30,37 +36,83 @@ class Runtime:
         self.watchdog.stopping = True
         kill_children(self.children)
         self.tokenizer_manager.close()
-        shutil.rmtree(self.port_args.ipc_dir, ignore_errors=True)
+        _remove_ipc_dir(self.port_args)
+
+
+def _remove_ipc_dir(port_args: PortArgs) -> None:
+    if port_args.ipc_dir is not None:
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+def _start_schedulers(server_args: ServerArgs, port_args: PortArgs) -> list[Child]:
+    if server_args.tp_size > 1:  # fail before any rank starts
+        server_args.check_against_model(ModelConfig.from_server_args(server_args).hf_config)
+    per_node = server_args.num_ranks_per_node
+    first = server_args.node_rank * per_node
+    return [
+        start_child(f"scheduler rank {rank}", run_scheduler_process, server_args, port_args, rank)
+        for rank in range(first, first + per_node)
+    ]
+
+
+def run_follower_node(server_args: ServerArgs) -> None:
+    """Node ``node_rank > 0``: run this node's scheduler ranks until one of them exits (node 0
+    stopped, or a failure); then stop the others and exit non-zero."""
+    port_args = PortArgs.init_new(server_args)
+    schedulers = _start_schedulers(server_args, port_args)
+    try:
+        wait_ready(schedulers)
+    except BaseException:
+        kill_children(schedulers)
+        raise
+    logger.info(
+        "node %d of %d: ranks %s ready; following node 0",
+        server_args.node_rank,
+        server_args.nnodes,
+        [c.name.rsplit(" ", 1)[1] for c in schedulers],
+    )
+    watchdog = Watchdog(schedulers, exit_process=True)
+    watchdog.start()
+    watchdog.thread.join()
 
 
 def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> Runtime:
-    """Spawn the children, wait until every scheduler is ready, then build the
-    TokenizerManager. A child that dies later is reported by the watchdog: the server exits
+    """Node 0: spawn the children, wait until every local scheduler is ready (rank 0 is ready
+    only once all ranks of every node joined the world), then build the TokenizerManager. A
+    child that dies later is reported by the watchdog: the server exits
     (``exit_on_child_death``); the Engine fails its pending and later requests instead."""
-    if server_args.tp_size > 1:  # fail before any rank starts
-        server_args.check_against_model(ModelConfig.from_server_args(server_args).hf_config)
-    port_args = PortArgs()
-    schedulers = [
-        start_child(f"scheduler rank {rank}", run_scheduler_process, server_args, port_args, rank)
-        for rank in range(server_args.tp_size)
-    ]
-    detokenizer = start_child(
-        "detokenizer", run_detokenizer_process, server_args, port_args, ready=False
+    if server_args.node_rank != 0:
+        raise ValueError("launch_subprocesses runs on node 0; other nodes use run_follower_node")
+    port_args = PortArgs.init_new(server_args)
+    schedulers = _start_schedulers(server_args, port_args)
+    children = list(schedulers)
+    if server_args.enable_dp_attention:
+        children.append(
+            start_child(
+                "data parallel controller",
+                run_data_parallel_controller_process,
+                server_args,
+                port_args,
+                ready=False,
+            )
+        )
+    children.append(
+        start_child("detokenizer", run_detokenizer_process, server_args, port_args, ready=False)
     )
-    children = [*schedulers, detokenizer]
     try:
         infos = wait_ready(schedulers)
-        if not detokenizer.process.is_alive():
-            raise RuntimeError("detokenizer exited during start-up")
+        for child in children[len(schedulers) :]:
+            if not child.process.is_alive():
+                raise RuntimeError(f"{child.name} exited during start-up")
         tm = TokenizerManager(server_args, port_args, infos[0])
     except BaseException:
         kill_children(children)
-        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+        _remove_ipc_dir(port_args)
         raise
 
     def on_death(name: str) -> None:
         tm.fatal_error = f"child process {name} died"
-        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+        _remove_ipc_dir(port_args)
 
     watchdog = Watchdog(children, on_death, exit_process=exit_on_child_death)
     watchdog.start()

@@ -159,6 +159,21 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class WakeUp:
+    """DP controller → the groups a request did not go to: leave the idle poll now, since the
+    group that got it needs every rank in the next MLP-sync step."""
+
+
+@dataclass
+class DpLoadReport:
+    """An attention-DP group's entry rank → the DP controller, when its load changes."""
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_tokens: int  # tokens in use and still to prefill
+
+
+@dataclass
 class BatchTokenIDOutput:
     """One scheduler step's news for some requests: the token ids generated since the last
     message for that rid (``output_ids`` are deltas) and, once finished, the finish reason."""

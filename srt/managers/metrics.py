@@ -57,8 +57,12 @@ class TokenizerMetrics:
             self.requests.inc()
             self.e2e.observe(now - state.created)
 
-    def render(self, internal_state: dict) -> bytes:
-        self.running.set(internal_state["num_running_reqs"])
-        self.queued.set(internal_state["num_waiting_reqs"])
-        self.token_usage.set(internal_state["token_usage"])
+    def render(self, internal_states: list[dict]) -> bytes:
+        """``internal_states``: one per attention-DP group; gauges are summed over groups
+        (token usage: over the groups' pools)."""
+        self.running.set(sum(s["num_running_reqs"] for s in internal_states))
+        self.queued.set(sum(s["num_waiting_reqs"] for s in internal_states))
+        total = sum(s["max_total_num_tokens"] for s in internal_states)
+        used = sum(s["token_usage"] * s["max_total_num_tokens"] for s in internal_states)
+        self.token_usage.set(used / total)
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from srt.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdd
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
+from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,10 @@ class Scheduler:
         self.output_processor = SchedulerOutputProcessor(self.tree_cache, self.tokenizer)
         self.num_retracted_reqs = 0
         self.num_forward_steps = 0
+        self.enable_dp_attention = self.server_args.enable_dp_attention
+        self.dp_rank = self.model_runner.parallel.attn_dp_rank
+        self.last_sync_all_idle = True  # DP attention: the last MLP sync found no work anywhere
+        self.num_idle_forward_steps = 0
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -144,20 +149,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[BatchTokenIDOutput]:
+        """One iteration. Under DP attention every rank calls it every iteration, idle or not:
+        the MLP-sync all-gather inside must line up across all ranks."""
         outputs = []
         if self.finished_outside_batch:
             out = self.output_processor.build_output(self.finished_outside_batch)
             outputs.append(out)  # never None: every request in it is finished
             self.finished_outside_batch = []
         batch = self.get_next_batch()
+        forward_batch = batch.to_forward_batch(self.model_runner) if batch is not None else None
+        if self.enable_dp_attention:
+            self._sync_dp(forward_batch)
         if batch is not None:
             reqs = list(batch.reqs)  # processing filters finished requests out of the batch
-            logits_output, next_token_ids = self.run_batch(batch)
+            logits_output, next_token_ids = self.run_batch(batch, forward_batch)
             self.process_batch_result(batch, logits_output, next_token_ids)
             out = self.output_processor.build_output(reqs)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _sync_dp(self, forward_batch: ForwardBatch | None) -> None:
+        """The MLP-sync step: every rank all-gathers its batch's shape (and learns the global
+        forward mode and padding); a rank without work runs an IDLE forward so the MoE
+        collectives line up."""
+        from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch  # TEMP-LAZY
+
+        runner = self.model_runner
+        info = sync_dp_batch(runner.parallel, forward_batch)
+        self.last_sync_all_idle = info.all_idle
+        if forward_batch is not None:
+            apply_dp_sync(forward_batch, info)
+        elif not info.all_idle:
+            runner.forward_idle(info)
+            self.num_idle_forward_steps += 1
 
     def get_next_batch(self) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()
@@ -224,8 +249,11 @@ class Scheduler:
             self.new_token_ratio.decay()
         batch.prepare_for_decode()
 
-    def run_batch(self, batch: ScheduleBatch) -> tuple[Any, Any]:
-        forward_batch = batch.to_forward_batch(self.model_runner)
+    def run_batch(
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch | None = None
+    ) -> tuple[Any, Any]:
+        if forward_batch is None:
+            forward_batch = batch.to_forward_batch(self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
         self.num_forward_steps += 1
@@ -242,6 +270,15 @@ class Scheduler:
             self.running_batch.filter_batch()
 
     # ------------------------------------------------------------------ state
+    def load(self) -> tuple[int, int]:
+        """(requests, tokens) this scheduler holds: the DP controller's load measure."""
+        reqs = self.waiting_queue + self.running_batch.reqs
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
+        waiting_tokens = sum(len(r.origin_input_ids) for r in self.waiting_queue)
+        return len(reqs), self.max_total_num_tokens - free - evictable + waiting_tokens
+
     def is_idle(self) -> bool:
         return (
             not self.waiting_queue
@@ -279,6 +316,7 @@ class Scheduler:
     def get_internal_state(self) -> dict:
         free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
         return {
+            "dp_rank": self.dp_rank,
             "num_running_reqs": len(self.running_batch.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_chunked_reqs": int(self.chunked_req is not None),
@@ -291,5 +329,6 @@ class Scheduler:
             "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_forward_steps": self.num_forward_steps,
+            "num_idle_forward_steps": self.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
         }

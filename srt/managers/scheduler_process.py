@@ -6,7 +6,12 @@ The entry rank (first of its attention-TP group) alone talks ZMQ; every iteratio
 the messages it received (an empty list too) over the group's gloo group, so every rank handles
 the same messages, runs the same schedule and steps in lock-step. Sampling is identical on every
 rank (the logits are all-gathered and the generators seeded alike); only the entry rank sends
-outputs and replies."""
+outputs and replies.
+
+DP attention (``--dp-size D``): D attention-TP groups, each with its own entry rank, requests
+(from the DP controller), KV cache and schedule. Every rank steps on every iteration, since the
+MLP-sync all-gather spans all ranks; an entry rank waits for messages only after a sync that
+found every group idle (the controller's WakeUp gets the other groups out of that wait)."""
 
 from __future__ import annotations
 
@@ -23,16 +28,19 @@ from srt.distributed.group_coordinator import GroupCoordinator
 from srt.distributed.parallel_state import ParallelState, init_parallel_state
 from srt.managers.io_struct import (
     AbortReq,
+    DpLoadReport,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
+    WakeUp,
 )
 from srt.managers.scheduler import Scheduler
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
+from srt.utils.network import set_socket_ifname_for
 from srt.utils.process import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
@@ -42,28 +50,42 @@ IDLE_POLL_MS = 1000
 class SchedulerLoop:
     def __init__(self, scheduler: Scheduler, port_args: PortArgs):
         self.scheduler = scheduler
-        self.group: GroupCoordinator = scheduler.model_runner.parallel.attn_tp
+        parallel = scheduler.model_runner.parallel
+        self.group: GroupCoordinator = parallel.attn_tp
+        self.dp_rank = parallel.attn_dp_rank
         self.is_entry = self.group.is_first_rank
+        self.dp_attention = scheduler.enable_dp_attention
+        self.last_load: tuple[int, int] | None = None
         if self.is_entry:
             context = zmq.Context()
-            self.recv_from_tokenizer = Receiver(context, port_args.scheduler_input, bind=True)
+            endpoint = port_args.scheduler_inputs[self.dp_rank]
+            self.recv_from_tokenizer = Receiver(context, endpoint, bind=False)
             self.send_to_detokenizer = Sender(context, port_args.detokenizer_input)
             self.send_to_tokenizer = Sender(context, port_args.tokenizer_input)
+            if self.dp_attention:
+                self.send_load = Sender(context, port_args.controller_load)
 
     def reply(self, message: object) -> None:
         if self.is_entry:
             self.send_to_tokenizer.send(message)
 
+    def may_block(self) -> bool:
+        """Wait for messages only when nothing is running here and, under DP attention, the
+        last MLP sync found every group idle (a busy group needs this one every step)."""
+        sched = self.scheduler
+        return sched.is_idle() and (not self.dp_attention or sched.last_sync_all_idle)
+
     def recv_messages(self) -> list[object]:
         """This iteration's messages, the same on every rank of the group."""
         messages = None
         if self.is_entry:
-            if self.scheduler.is_idle():
+            if self.may_block():
                 first = self.recv_from_tokenizer.recv(IDLE_POLL_MS)
                 messages = [first] if first is not None else []
                 messages += self.recv_from_tokenizer.recv_all()
             else:
                 messages = self.recv_from_tokenizer.recv_all()
+            messages = [m for m in messages if not isinstance(m, WakeUp)]
         return broadcast_object(self.group, messages)
 
     def handle(self, msg: object) -> None:
@@ -79,33 +101,50 @@ class SchedulerLoop:
         else:
             raise TypeError(f"scheduler received an unknown message {type(msg).__name__}")
 
+    def report_load(self) -> None:
+        load = self.scheduler.load()
+        if self.is_entry and self.dp_attention and load != self.last_load:
+            self.send_load.send(DpLoadReport(self.dp_rank, *load))
+            self.last_load = load
+
     def run_forever(self) -> None:
+        sched = self.scheduler
         while True:
             for msg in self.recv_messages():
                 self.handle(msg)
-            if not self.scheduler.is_idle():
-                outputs = self.scheduler.step()
-                if self.is_entry:
-                    for out in outputs:
-                        self.send_to_detokenizer.send(out)
-                if self.scheduler.is_idle():
-                    # As SGLang: a leak is a bug that must stop the server, not go unnoticed.
-                    self.scheduler.check_memory(check_duplicates=False)
+            if not self.dp_attention and sched.is_idle():
+                continue
+            steps = sched.num_forward_steps
+            outputs = sched.step()  # under DP attention on every iteration: it syncs
+            if self.is_entry:
+                for out in outputs:
+                    self.send_to_detokenizer.send(out)
+            self.report_load()
+            if sched.num_forward_steps != steps and sched.is_idle():
+                # As SGLang: a leak is a bug that must stop the server, not go unnoticed.
+                sched.check_memory(check_duplicates=False)
 
 
 def init_rank_parallel_state(
     server_args: ServerArgs, port_args: PortArgs, tp_rank: int
 ) -> ParallelState | None:
-    """This rank's groups (None on one rank: no torch.distributed). On CPU the ranks share the
-    cores, so each gets its share of torch threads."""
+    """This rank's groups (None on one rank: no torch.distributed). On CPU the ranks of a node
+    share its cores, so each gets its share of torch threads."""
     if server_args.tp_size == 1:
         return None
     on_cuda = server_args.device == "cuda"
     if not on_cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+        threads = (os.cpu_count() or 1) // server_args.num_ranks_per_node
+        torch.set_num_threads(max(1, threads))
+    if server_args.nnodes > 1:
+        set_socket_ifname_for(port_args.dist_init_host)
     return init_parallel_state(
         server_args.tp_size,
         tp_rank,
+        dp_size=server_args.dp_size,
+        enable_dp_attention=server_args.enable_dp_attention,
+        moe_a2a_backend=server_args.moe_a2a_backend,
+        ep_size=server_args.ep_size,
         backend="nccl" if on_cuda else "gloo",
         init_method=port_args.dist_init_method,
         device=None if on_cuda else "cpu",
@@ -117,6 +156,9 @@ def run_scheduler_process(
 ) -> None:
     set_parent_death_signal()
     tag = f"scheduler TP{tp_rank}" if server_args.tp_size > 1 else "scheduler"
+    if server_args.enable_dp_attention:
+        attn_tp = server_args.tp_size // server_args.dp_size
+        tag = f"scheduler DP{tp_rank // attn_tp} TP{tp_rank}"
     configure_logging(server_args.log_level, prefix=tag)
     try:
         parallel = init_rank_parallel_state(server_args, port_args, tp_rank)
@@ -134,4 +176,15 @@ def run_scheduler_process(
             "vocab_size": scheduler.model_config.vocab_size,
         }
     )
-    loop.run_forever()
+    try:
+        loop.run_forever()
+    except RuntimeError as e:
+        if server_args.nnodes > 1 and _is_peer_gone(e):
+            logger.error("lost the other ranks (%s): another node stopped; exiting", e)
+            raise SystemExit(1) from None
+        raise
+
+
+def _is_peer_gone(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe"))

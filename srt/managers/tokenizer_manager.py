@@ -45,12 +45,20 @@ class TokenizerManager:
         self.max_req_input_len = scheduler_info["max_req_input_len"]
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
         self.zmq_context, self.zmq_async_context = zmq.Context(), zmq.asyncio.Context()
-        self.send_to_scheduler = Sender(self.zmq_context, port_args.scheduler_input)
+        # The schedulers (or, with DP attention, the DP controller) connect to this socket.
+        dp_attention = server_args.enable_dp_attention
+        self.num_reply_groups = server_args.dp_size if dp_attention else 1
+        self.send_to_scheduler = Sender(
+            self.zmq_context,
+            port_args.controller_input if dp_attention else port_args.scheduler_inputs[0],
+            bind=not dp_attention,
+        )
         self.recv_from_detokenizer = AsyncReceiver(
             self.zmq_async_context, port_args.tokenizer_input, bind=True
         )
         self.rid_to_state: dict[str, ReqState] = {}
         self.control_futures: dict[type, asyncio.Future] = {}
+        self.control_replies: list[object] = []
         self.control_lock: asyncio.Lock | None = None
         self.handle_loop_task: asyncio.Task | None = None
         self.metrics = TokenizerMetrics()
@@ -197,11 +205,13 @@ class TokenizerManager:
         self.zmq_async_context.term()
 
     # ------------------------------------------------------------------ control
-    async def _control(self, request: object, reply_type: type) -> Any:
+    async def _control(self, request: object, reply_type: type) -> list[Any]:
+        """Send a control request; one reply per attention-DP group, in arrival order."""
         self._ensure_handle_loop()
         async with self.control_lock:
             future = asyncio.get_running_loop().create_future()
             self.control_futures[reply_type] = future
+            self.control_replies = []
             self.send_to_scheduler.send(request)
             while True:
                 try:
@@ -211,10 +221,13 @@ class TokenizerManager:
                         raise RuntimeError(self.fatal_error) from None
 
     async def flush_cache(self) -> bool:
-        return (await self._control(FlushCacheReq(), FlushCacheReqOutput)).success
+        replies = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        return all(r.success for r in replies)
 
-    async def get_internal_state(self) -> dict:
-        return (await self._control(GetInternalStateReq(), GetInternalStateReqOutput)).state
+    async def get_internal_state(self) -> list[dict]:
+        """One state per attention-DP group, ordered by dp_rank."""
+        replies = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        return sorted((r.state for r in replies), key=lambda s: s.get("dp_rank", 0))
 
     # ------------------------------------------------------------------ results
     def _ensure_handle_loop(self) -> None:
@@ -230,9 +243,11 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOutput):
                 self._handle_batch_output(msg)
             elif type(msg) in self.control_futures:
-                future = self.control_futures.pop(type(msg))
-                if not future.done():
-                    future.set_result(msg)
+                self.control_replies.append(msg)
+                if len(self.control_replies) == self.num_reply_groups:
+                    future = self.control_futures.pop(type(msg))
+                    if not future.done():
+                        future.set_result(self.control_replies)
             else:
                 logger.error("tokenizer manager received unexpected %s", type(msg).__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -24,30 +24,49 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass(frozen=True)
 class PortArgs:
-    """The IPC endpoints of one server instance (a private temporary directory)."""
+    """The endpoints of one server instance.
 
-    ipc_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="srt-ipc-"))
-    # torch.distributed rendezvous of the rank processes (tcp://127.0.0.1:PORT)
-    dist_init_port: int = field(default_factory=free_port)
+    One node: IPC sockets in a private temporary directory, and a free loopback port for the
+    torch.distributed rendezvous. Several nodes (``--dist-init-addr HOST:PORT``): everything is
+    TCP on node 0's HOST, the rendezvous on PORT and the ZMQ endpoints on the next ports, so
+    every node derives the same endpoints from the flags alone. The node-0 side binds (the
+    tokenizer manager, detokenizer and DP controller live there); schedulers connect, wherever
+    they run."""
+
+    ipc_dir: str | None
+    dist_init_method: str
+    tokenizer_input: str  # detokenizer and scheduler replies → tokenizer manager
+    detokenizer_input: str  # schedulers → detokenizer
+    controller_input: str  # tokenizer manager → DP controller (dp_size > 1)
+    controller_load: str  # entry schedulers' load reports → DP controller
+    scheduler_inputs: tuple[str, ...]  # → entry rank of each attention-DP group
+
+    @classmethod
+    def init_new(cls, server_args) -> PortArgs:
+        dp = server_args.dp_size if server_args.enable_dp_attention else 1
+        if server_args.dist_init_addr:
+            host, _, port = server_args.dist_init_addr.rpartition(":")
+            base = int(port)
+            tcp = lambda k: f"tcp://{host}:{base + k}"  # noqa: E731
+            return cls(
+                None, f"tcp://{host}:{base}", tcp(1), tcp(2), tcp(3), tcp(4),
+                tuple(tcp(5 + d) for d in range(dp)),
+            )  # fmt: skip
+        ipc_dir = tempfile.mkdtemp(prefix="srt-ipc-")
+        ipc = lambda name: f"ipc://{os.path.join(ipc_dir, name)}"  # noqa: E731
+        return cls(
+            ipc_dir,
+            f"tcp://127.0.0.1:{free_port()}",
+            ipc("tokenizer_input"),
+            ipc("detokenizer_input"),
+            ipc("controller_input"),
+            ipc("controller_load"),
+            tuple(ipc(f"scheduler_input_{d}") for d in range(dp)),
+        )
 
     @property
-    def dist_init_method(self) -> str:
-        return f"tcp://127.0.0.1:{self.dist_init_port}"
-
-    def _ipc(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.ipc_dir, name)}"
-
-    @property
-    def scheduler_input(self) -> str:  # tokenizer manager → scheduler (attention-TP rank 0)
-        return self._ipc("scheduler_input")
-
-    @property
-    def detokenizer_input(self) -> str:  # scheduler → detokenizer
-        return self._ipc("detokenizer_input")
-
-    @property
-    def tokenizer_input(self) -> str:  # detokenizer and scheduler replies → tokenizer manager
-        return self._ipc("tokenizer_input")
+    def dist_init_host(self) -> str:
+        return self.dist_init_method.removeprefix("tcp://").rpartition(":")[0]
 
 
 def _socket(context: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
