@@ -113,6 +113,7 @@ class Watchdog:
         if self.stopping:
             return
         child = sentinels[dead[0]]
+        child.process.join(1.0)  # its exit code is set once joined
         logger.error(
             "child process %s (pid %d) died with exit code %s; shutting down",
             child.name,
