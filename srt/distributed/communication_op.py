@@ -68,11 +68,18 @@ def pad_to(tensor: torch.Tensor, length: int, dim: int = 0) -> torch.Tensor:
 
 def all_gather_sizes(group: GroupCoordinator, size: int) -> list[int]:
     """Every rank's ``size``, in group-rank order (one small gloo all-gather)."""
+    return [row[0] for row in all_gather_ints(group, [size])]
+
+
+def all_gather_ints(group: GroupCoordinator, values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), in group-rank order: one small
+    all-gather on the gloo ``cpu_group``, so it never waits behind device traffic."""
     if group.world_size == 1:
-        return [size]
-    out = torch.zeros(group.world_size, dtype=torch.int64)
-    _all_gather_single(out, torch.tensor([size], dtype=torch.int64), group=group.cpu_group)
-    return out.tolist()
+        return [list(values)]
+    local = torch.tensor(list(values), dtype=torch.int64)
+    out = torch.zeros(group.world_size * local.numel(), dtype=torch.int64)
+    _all_gather_single(out, local, group=group.cpu_group)
+    return out.view(group.world_size, -1).tolist()
 
 
 def all_gather_variable(

@@ -16,6 +16,10 @@ Design
 - ``torch.distributed.new_group`` must be called by every rank, for every group, in the same
   order; :func:`build_parallel_state` does so for all partitions, keeping the group it belongs to.
   A partition that is the whole world reuses the world's groups.
+- ``moe_ep_duplex``: with an all-to-all MoE backend on gloo, a second device group over the EP
+  ranks, so the token dispatchers can split a large exchange by link direction (one gloo group
+  streams one way at a time; see ``srt.layers.moe.token_dispatcher.torch_a2a``). nccl
+  all-to-alls are full duplex already, so it is not created there.
 - No module-level state: :func:`init_parallel_state` returns a :class:`ParallelState` that is
   passed to whoever needs it, and ``destroy()`` releases its groups. The pure layout lives in
   :class:`ParallelConfig`, testable without processes.
@@ -106,6 +110,7 @@ class ParallelState:
     attn_tp: GroupCoordinator
     moe_ep: GroupCoordinator
     moe_tp: GroupCoordinator
+    moe_ep_duplex: dist.ProcessGroup | None = None  # second EP device group (gloo, a2a only)
     owns_world: bool = False  # init_parallel_state created the default process group
     destroyed: bool = field(default=False, repr=False)
 
@@ -162,6 +167,12 @@ class ParallelState:
         return self.moe_ep.world_size
 
     @property
+    def moe_ep_device_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The EP device group, then the duplex one when there is one (dispatcher ``groups``)."""
+        groups = (self.moe_ep.device_group, self.moe_ep_duplex)
+        return tuple(g for g in groups if g is not None)
+
+    @property
     def moe_tp_rank(self) -> int:
         return self.moe_tp.rank_in_group
 
@@ -185,6 +196,8 @@ class ParallelState:
             for c in (self.world, self.attn_tp, self.moe_ep, self.moe_tp)
             for g in (c.device_group, c.cpu_group)
         }
+        if self.moe_ep_duplex is not None:
+            own[id(self.moe_ep_duplex)] = self.moe_ep_duplex
         for group in own.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -226,7 +239,22 @@ def build_parallel_state(
         attn_tp=make("attn_tp", config.attn_tp_group_ranks()),
         moe_ep=make("moe_ep", config.moe_ep_group_ranks()),
         moe_tp=make("moe_tp", config.moe_tp_group_ranks()),
+        moe_ep_duplex=_duplex_group(config, rank, timeout),
     )
+
+
+def _duplex_group(
+    config: ParallelConfig, rank: int, timeout: timedelta | None
+) -> dist.ProcessGroup | None:
+    """The second EP device group (see the module docstring); collective like new_group."""
+    if config.moe_a2a_backend == "none" or dist.get_backend() != "gloo":
+        return None
+    mine = None
+    for ranks in config.moe_ep_group_ranks():
+        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def init_parallel_state(
