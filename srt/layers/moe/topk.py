@@ -26,7 +26,8 @@ class TopKConfig:
 
 def _group_mask(scores: torch.Tensor, cfg: TopKConfig, biased: bool) -> torch.Tensor:
     num_tokens, num_experts = scores.shape
-    grouped = scores.view(num_tokens, cfg.num_expert_group, -1)  # [T, G, E/G]
+    group_size = num_experts // cfg.num_expert_group  # not -1: a view of 0 tokens needs it
+    grouped = scores.view(num_tokens, cfg.num_expert_group, group_size)  # [T, G, E/G]
     if biased:  # V3: a group scores by the sum of its two best experts
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     else:  # V2: by its best expert
