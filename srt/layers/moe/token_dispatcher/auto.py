@@ -10,18 +10,23 @@ from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 class TorchA2AAutoDispatcher(TokenDispatcher):
     """Picks a mode per dispatch from ``is_extend``, which must be the *global* forward mode
     (is any DP rank extending?): every EP rank must pick the same mode, since the two modes
-    issue different collectives. An idle rank follows the others."""
+    issue different collectives. An idle rank follows the others. A decode step falls back to
+    normal when ``global_max_tokens`` (the most tokens any EP rank dispatches, the same on
+    every rank) exceeds the low_latency capacity, which could otherwise overflow."""
 
     def __init__(self, normal: TorchA2ANormalDispatcher, low_latency: TorchA2ALowLatencyDispatcher):
         self.normal, self.low_latency = normal, low_latency
         self._active: TokenDispatcher | None = None
 
-    def dispatch_a(self, hidden_states, topk_weights, topk_ids, *, is_extend=None) -> None:
+    def dispatch_a(
+        self, hidden_states, topk_weights, topk_ids, *, is_extend=None, global_max_tokens=None
+    ) -> None:
         if is_extend is None:
             raise ValueError("--deepep-mode auto needs is_extend (the global forward mode)")
         if self._active is not None:
             raise RuntimeError("dispatcher dispatch_a called before the last combine_b")
-        self._active = self.normal if is_extend else self.low_latency
+        too_many = global_max_tokens is not None and global_max_tokens > self.low_latency.capacity
+        self._active = self.normal if is_extend or too_many else self.low_latency
         self._active.dispatch_a(hidden_states, topk_weights, topk_ids)
 
     @property

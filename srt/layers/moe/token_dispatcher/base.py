@@ -17,11 +17,22 @@ class DispatchOutput(NamedTuple):
 class TokenDispatcher(abc.ABC):
     """Every dispatcher splits each direction in a launch half (``_a``: start the exchange,
     return at once) and a wait half (``_b``: block until it is done), so the overlap
-    executors can run other work in between. One instance serves one micro-batch."""
+    executors can run other work in between. One instance serves one micro-batch.
+
+    ``dispatch_a``'s keyword arguments describe the step, identically on every EP rank, for
+    dispatchers that choose their collectives per step (``auto``); the others ignore them:
+    ``is_extend``, whether any DP group extends; ``global_max_tokens``, the most tokens any EP
+    rank dispatches in this step."""
 
     @abc.abstractmethod
     def dispatch_a(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        is_extend: bool | None = None,
+        global_max_tokens: int | None = None,
     ) -> None: ...
 
     @abc.abstractmethod

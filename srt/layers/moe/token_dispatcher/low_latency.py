@@ -94,6 +94,7 @@ class TorchA2ALowLatencyDispatcher(TokenDispatcher):
         topk_ids: torch.Tensor,
         *,
         is_extend: bool | None = None,
+        global_max_tokens: int | None = None,
     ) -> None:
         self._guard.enter("dispatch_a")
         check_inputs(self.fmt, hidden_states, topk_weights, topk_ids)

@@ -22,7 +22,9 @@ class StandardDispatcher(TokenDispatcher):
             raise RuntimeError("dispatcher wait without a launch")
         return value
 
-    def dispatch_a(self, hidden_states, topk_weights, topk_ids) -> None:
+    def dispatch_a(
+        self, hidden_states, topk_weights, topk_ids, *, is_extend=None, global_max_tokens=None
+    ) -> None:
         self._put(DispatchOutput(hidden_states, topk_weights, topk_ids))
 
     def dispatch_b(self) -> DispatchOutput:
