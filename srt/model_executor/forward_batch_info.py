@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from srt.layers.attention.base_attn_backend import AttentionBackend
+    from srt.layers.dp_attention import DpPaddingMode
     from srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
     from srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -52,6 +53,10 @@ class ForwardBatch:
     sequence, concatenated; decode: one per sequence). Sequence-level fields have one row per
     sequence. ``*_cpu`` fields are Python lists mirroring device tensors, for bookkeeping that
     must not synchronise the device.
+
+    The ``global_*`` fields are set by the DP-attention MLP sync (``apply_dp_sync``). They stay
+    None without DP attention: every rank then runs the same batch, so the local values are the
+    global ones (``global_is_extend``, ``global_num_tokens``).
     """
 
     forward_mode: ForwardMode
@@ -79,10 +84,48 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     # Attention-backend private metadata, set by init_forward_metadata.
     attn_metadata: Any = None
+    # DP attention: per attention-DP group, its tokens and its LM-head rows; the agreed mode.
+    global_num_tokens_cpu: list[int] | None = None
+    global_num_tokens_for_logprob_cpu: list[int] | None = None
+    global_forward_mode: ForwardMode | None = None
+    is_extend_in_batch: bool = False
+    dp_padding_mode: DpPaddingMode | None = None
+    global_dp_buffer_len: int | None = None
+
+    @classmethod
+    def idle(
+        cls, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: KVCache, device: torch.device
+    ) -> ForwardBatch:
+        """No sequences and no tokens: a rank without work runs it so collectives line up."""
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(
+            forward_mode=ForwardMode.IDLE,
+            batch_size=0,
+            input_ids=empty,
+            positions=empty,
+            req_pool_indices=empty,
+            seq_lens=empty,
+            seq_lens_cpu=[],
+            out_cache_loc=empty,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+        )
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def global_is_extend(self) -> bool:
+        """Whether any DP group extends: collectives whose kind depends on the mode (the MoE
+        all-to-all) must follow it on every rank, idle ones included."""
+        mode = self.forward_mode if self.global_forward_mode is None else self.global_forward_mode
+        return mode.is_extend()
+
+    def global_num_tokens(self) -> list[int]:
+        """Tokens per attention-DP group (this batch's alone without DP attention)."""
+        if self.global_num_tokens_cpu is None:
+            return [self.num_tokens]
+        return self.global_num_tokens_cpu
 
     @property
     def device(self) -> torch.device:
