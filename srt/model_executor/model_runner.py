@@ -3,7 +3,12 @@ the forward pass and sampling.
 
 Under tensor parallelism each rank has its own ModelRunner with its shard of the model (heads,
 vocabulary, expert slices) and a KV pool of its local heads (MLA: the full latent). All ranks
-agree on the pool size (the minimum over ranks), so their schedulers stay in lock-step."""
+agree on the pool size (the minimum over ranks), so their schedulers stay in lock-step.
+
+Under DP attention the scheduler syncs every step (``srt.layers.dp_attention.sync_dp_batch``)
+and applies the result to its batch (``apply_dp_sync``) before ``forward``; a rank whose group
+has no batch while others have one calls ``forward_idle`` so that the MoE and LM-head
+collectives line up."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from srt.layers.dp_attention import DpSyncInfo, apply_dp_sync
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -21,6 +27,7 @@ from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPoo
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
+from srt.models.model_context import ModelOptions
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,8 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
-        self.model = load_model(self.model_config, self.device, self.parallel)
+        options = ModelOptions.from_server_args(self.server_args)
+        self.model = load_model(self.model_config, self.device, self.parallel, options)
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype
@@ -116,8 +124,17 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
+    def forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
+        """DP attention, this group without a batch: run the model on 0 tokens so that every
+        collective of the step has this rank in it. The output has 0 rows."""
+        batch = ForwardBatch.idle(self.req_to_token_pool, self.token_to_kv_pool, self.device)
+        apply_dp_sync(batch, info)
+        return self.forward(batch)
+
     @torch.inference_mode()
     def sample(
         self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_idle():
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         return self.sampler(logits_output.next_token_logits, forward_batch.sampling_info)

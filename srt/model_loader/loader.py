@@ -8,6 +8,7 @@ from torch import nn
 from srt.distributed.parallel_state import ParallelState
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.weight_utils import iterate_safetensors
+from srt.models.model_context import ModelOptions
 from srt.models.registry import get_model_class
 
 
@@ -15,15 +16,17 @@ def load_model(
     model_config: ModelConfig,
     device: str | torch.device,
     parallel: ParallelState | None = None,
+    options: ModelOptions | None = None,
 ) -> nn.Module:
-    """Build the model of this rank (``parallel``: its groups; default one rank) and load its
-    shard of every weight from the full checkpoint."""
+    """Build the model of this rank (``parallel``: its groups, default one rank; ``options``:
+    the server flags that shape it) and load its shard of every weight from the full
+    checkpoint."""
     model_class = get_model_class(model_config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = model_class(model_config.hf_config, parallel)
+            model = model_class(model_config.hf_config, parallel, options)
     finally:
         torch.set_default_dtype(previous)
     model.load_weights(iterate_safetensors(model_config.model_path))

@@ -11,36 +11,34 @@ from torch import nn
 from srt.batch_overlap.operations import LayerState, Operation, execute_operations
 from srt.distributed.communication_op import all_reduce
 from srt.distributed.parallel_state import ParallelState
-from srt.layers.communicator import LayerCommunicator
 from srt.layers.layernorm import RMSNorm
-from srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.moe.moe_block import SparseMoeBlock
-from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
+from srt.models.model_context import ModelContext, ModelOptions
 
 
 class MoEDecoderLayer(nn.Module):
     """Subclasses build ``self_attn`` (with ``op_prepare_attn`` / ``op_core_attn``) and ``mlp``
-    (a SparseMoeBlock or a dense module), then call ``_init_norms``. Under tensor parallelism
-    both leave partial sums (row-parallel o_proj, down_proj and experts); the communicator
-    reduces them.
+    (a SparseMoeBlock or a dense module) from the ModelContext, then call ``_init_norms``. The
+    communicator moves tokens and reduces partial sums around them (see LayerCommunicator).
 
     Routed experts follow the ParallelState's MoE layout: with ``--moe-a2a-backend none`` that
     is expert TP (``moe_ep_size`` 1, every rank holds a 1/T slice of every expert's
     intermediate dimension), as SGLang. Chosen over EP-style sharding for plain TP because each
     rank's work is then a T-th of the MoE whatever the routing (EP-style leaves ranks idle when
-    routing is skewed); the same all-reduce completes either layout, so an explicit ``ep_size``
+    routing is skewed); the same reduction completes either layout, so an explicit ``ep_size``
     needs no other change."""
 
     self_attn: nn.Module
     mlp: nn.Module
 
-    def _init_norms(self, hidden_size: int, eps: float, parallel: ParallelState) -> None:
+    def _init_norms(self, hidden_size: int, eps: float, ctx: ModelContext) -> None:
         self.input_layernorm = RMSNorm(hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
-        self.comm = LayerCommunicator(
-            self.input_layernorm, self.post_attention_layernorm, parallel.attn_tp, parallel.tp
+        self.comm = ctx.communicator(
+            self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
 
     @property
@@ -84,14 +82,12 @@ class MoEDecoderLayer(nn.Module):
 class MoEModel(nn.Module):
     """Embedding → decoder layers → final norm."""
 
-    def __init__(self, config, layer_cls: type[MoEDecoderLayer], parallel: ParallelState):
+    def __init__(self, config, layer_cls: type[MoEDecoderLayer], ctx: ModelContext):
         super().__init__()
-        self.attn_tp_group = parallel.attn_tp
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size
-        )
+        self.attn_tp_group = ctx.parallel.attn_tp
+        self.embed_tokens = ctx.embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            layer_cls(config, i, parallel) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, ctx) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -107,21 +103,25 @@ class MoEModel(nn.Module):
 class MoECausalLM(nn.Module):
     """``model`` (MoEModel of ``layer_cls``) + LM head. Subclasses set ``layer_cls`` and
     ``weight_mapping``; parameter names follow the HF checkpoints. ``parallel``: this rank's
-    groups (default: one rank, no torch.distributed)."""
+    groups (default: one rank, no torch.distributed); ``options``: the server flags that shape
+    the model (default: ModelOptions())."""
 
     layer_cls: type[MoEDecoderLayer]
 
-    def __init__(self, config, parallel: ParallelState | None = None):
+    def __init__(
+        self, config, parallel: ParallelState | None = None, options: ModelOptions | None = None
+    ):
         super().__init__()
         self.config = config
-        parallel = parallel or ParallelState.single_rank()
-        self.model = MoEModel(config, self.layer_cls, parallel)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, parallel.attn_tp_rank, parallel.attn_tp_size
+        ctx = ModelContext(parallel, options)
+        self.model = MoEModel(config, self.layer_cls, ctx)
+        self.lm_head, self.logits_processor = ctx.lm_head(config.vocab_size, config.hidden_size)
+        # A tied LM head shares the embedding's parameter when both have the same shard.
+        self.shares_embedding = getattr(config, "tie_word_embeddings", False) and (
+            not ctx.cross_dp_lm_head
         )
-        if getattr(config, "tie_word_embeddings", False):
+        if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(config.vocab_size, parallel.attn_tp)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden = self.model(input_ids, positions, batch)
@@ -132,6 +132,19 @@ class MoECausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         mapping = self.weight_mapping()
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.shares_embedding:
             mapping.skip_prefixes = (*mapping.skip_prefixes, "lm_head.")
+        elif getattr(self.config, "tie_word_embeddings", False):
+            weights = _with_tied_lm_head(weights)
         load_weights_by_mapping(self, weights, mapping)
+
+
+def _with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]):
+    """A tied LM head sharded differently from the embedding loads its own shard of the
+    embedding tensor (a tied checkpoint may omit ``lm_head.weight``)."""
+    for name, tensor in weights:
+        if name == "lm_head.weight":
+            continue
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor

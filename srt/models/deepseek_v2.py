@@ -7,12 +7,9 @@ import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
-from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from srt.layers.mlp import GatedMLP
-from srt.layers.moe.fused_moe import FusedMoE
-from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
+from srt.layers.moe.moe_block import MoEGate
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import (
@@ -22,6 +19,7 @@ from srt.layers.rotary_embedding import (
 )
 from srt.model_loader.weight_utils import WeightMapping
 from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
+from srt.models.model_context import ModelContext
 
 
 class DeepseekV2MLA(nn.Module):
@@ -126,36 +124,27 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(MoEDecoderLayer):
-    def __init__(self, config, layer_id: int, parallel: ParallelState):
+    def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
-        p = parallel
+        p = ctx.parallel
         self.self_attn = DeepseekV2MLA(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
         h = config.hidden_size
         if is_moe_layer(config, layer_id):
             topk = _topk_config(config)
-            shared = (
-                GatedMLP(
-                    h, config.moe_intermediate_size * config.n_shared_experts, p.tp_rank, p.tp_size
-                )
-                if config.n_shared_experts
-                else None
-            )
-            self.mlp = SparseMoeBlock(
+            self.mlp = ctx.moe_block(
                 MoEGate(
                     config.n_routed_experts, h, topk.scoring_func == "sigmoid", fp32_logits=True
                 ),
-                FusedMoE(
-                    config.n_routed_experts,
-                    h,
-                    config.moe_intermediate_size,
-                    *(p.moe_ep_rank, p.moe_ep_size, p.moe_tp_rank, p.moe_tp_size),
-                ),
+                config.n_routed_experts,
+                h,
+                config.moe_intermediate_size,
                 topk,
-                shared_experts=shared,
+                shared_intermediate_size=config.moe_intermediate_size
+                * (config.n_shared_experts or 0),
             )
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size, p.tp_rank, p.tp_size)
-        self._init_norms(h, config.rms_norm_eps, parallel)
+            self.mlp = ctx.dense_mlp(h, config.intermediate_size)
+        self._init_norms(h, config.rms_norm_eps, ctx)
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):

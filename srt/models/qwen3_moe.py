@@ -5,17 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
-from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
-from srt.layers.mlp import GatedMLP
-from srt.layers.moe.fused_moe import FusedMoE
-from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
+from srt.layers.moe.moe_block import MoEGate
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from srt.model_loader.weight_utils import WeightMapping
 from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
+from srt.models.model_context import ModelContext
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -75,25 +73,22 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
-    def __init__(self, config, layer_id: int, parallel: ParallelState):
+    def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
-        p = parallel
+        p = ctx.parallel
         self.self_attn = Qwen3MoeAttention(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
         h = config.hidden_size
         if is_moe_layer(config, layer_id):
-            self.mlp = SparseMoeBlock(
+            self.mlp = ctx.moe_block(
                 MoEGate(config.num_experts, h, False, fp32_logits=False),
-                FusedMoE(
-                    config.num_experts,
-                    h,
-                    config.moe_intermediate_size,
-                    *(p.moe_ep_rank, p.moe_ep_size, p.moe_tp_rank, p.moe_tp_size),
-                ),
+                config.num_experts,
+                h,
+                config.moe_intermediate_size,
                 TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
             )
         else:
-            self.mlp = GatedMLP(h, config.intermediate_size, p.tp_rank, p.tp_size)
-        self._init_norms(h, config.rms_norm_eps, parallel)
+            self.mlp = ctx.dense_mlp(h, config.intermediate_size)
+        self._init_norms(h, config.rms_norm_eps, ctx)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

@@ -18,6 +18,8 @@ from srt.layers.dp_attention import (
 )
 from srt.layers.logits_processor import num_logit_rows
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
 
 
 @pytest.mark.parametrize(
@@ -123,3 +125,14 @@ def test_attention_tp_chunks(num_tokens, attn_tp, sizes):
     assert [len(c) for c in chunks] == sizes
     assert torch.equal(torch.cat(chunks), rows)
 
+
+def test_idle_forward_and_sample(qwen3_moe_path):
+    runner = ModelRunner(
+        ServerArgs(model_path=qwen3_moe_path, dtype="float32", max_total_tokens=64)
+    )
+    idle = ForwardBatch.idle(runner.req_to_token_pool, runner.token_to_kv_pool, runner.device)
+    out = runner.forward(idle)
+    assert out.next_token_logits.shape == (0, runner.model_config.vocab_size)
+    assert runner.sample(out, idle).shape == (0,)
+    info = sync_dp_batch(runner.parallel, None)
+    assert runner.forward_idle(info).next_token_logits.shape[0] == 0

@@ -1,4 +1,10 @@
-"""A sparse MoE block (router, routed experts, optional shared experts) as layer operations."""
+"""A sparse MoE block (router, routed experts, optional shared experts) as layer operations.
+
+The block sees the tokens its communicator hands it (the group's own, the gathered global
+buffer, or this rank's all-to-all chunk) and moves them to the experts with its dispatcher. The
+dispatcher is not owned by the block: a model's MoE layers share one per micro-batch (its
+buffers are per exchange in flight, not per layer), so it is passed in.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
+from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import TokenDispatcher
-from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
 
 
@@ -41,14 +47,17 @@ class SparseMoeBlock(nn.Module):
         gate: MoEGate,
         experts: FusedMoE,
         topk_config: TopKConfig,
+        dispatcher: TokenDispatcher,
         shared_experts: nn.Module | None = None,
+        attn_tp_size: int = 1,
     ):
         super().__init__()
         self.gate = gate
         self.experts = experts
         self.shared_experts = shared_experts
         self.topk_config = topk_config
-        self.dispatcher: TokenDispatcher = StandardDispatcher()
+        self.dispatcher = dispatcher
+        self.attn_tp_size = attn_tp_size  # tokens per dispatching rank = a chunk of its group's
 
     def op_gate(self, state: LayerState) -> None:
         state.put(router_logits=self.gate(state.get("mlp_input")))
@@ -62,7 +71,14 @@ class SparseMoeBlock(nn.Module):
     def op_dispatch_a(self, state: LayerState) -> None:
         hidden = state.get("mlp_input") if self.shared_experts else state.pop("mlp_input")
         weights, ids = state.pop("topk_output")
-        self.dispatcher.dispatch_a(hidden, weights, ids)
+        batch = state.batch
+        self.dispatcher.dispatch_a(
+            hidden,
+            weights,
+            ids,
+            is_extend=batch.global_is_extend(),
+            global_max_tokens=max_chunk_tokens(batch, self.attn_tp_size),
+        )
 
     def op_dispatch_b(self, state: LayerState) -> None:
         state.put(dispatch_output=self.dispatcher.dispatch_b())

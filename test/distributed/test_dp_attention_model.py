@@ -1,0 +1,187 @@
+"""DP attention and expert-parallel all-to-all, model level: every rank builds a ModelRunner
+(fp32, tiny Qwen3-MoE and DeepSeek-V3) in a real gloo world; each attention-DP group replays its
+own script of batches (different prompts and token counts, idle steps, an extend in one group
+while another decodes), with the MLP sync before each step as the scheduler does it. The logits
+of every group equal the single-rank ModelRunner's on the same batches.
+
+Covered: tp=2 dp=2 with ``--moe-a2a-backend none`` (padded DP gather, LM head over the world
+and over the group), torch normal / low_latency / auto (auto's low_latency capacity exceeded in
+one decode step); tp=4 dp=4 torch; tp=4 dp=2 (attention-TP groups of 2: chunks, one of them
+empty); tp=2 torch without DP attention (no sync; an empty chunk)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from run_ranks import run_ranks
+from seq_driver import SeqDriver
+
+from srt.distributed.parallel_state import init_parallel_state
+from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+TOLERANCE = 1e-5
+MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+P0 = [[5, 77, 300, 12, 9], [44, 45, 46, 200, 310, 17, 8, 90, 91], [101, 3, 4]]
+P1 = [[7, 8, 9, 10, 11, 12, 13]]  # one sequence: its decode leaves an attention-TP chunk empty
+P2 = [[250, 90, 71, 6], [33, 2, 18, 401, 2, 3]]
+# One column per DP group; row = step. None: the group has no batch (idle).
+DP_SCRIPT = [
+    [("extend", P0, None), ("extend", P1, 2)],  # group 1 wants input logprobs
+    [("decode",), None],
+    [None, ("decode",)],
+    [("extend", P2, None), ("decode",)],  # an extend in the batch while group 1 decodes
+    [("decode",), ("decode",)],
+    [None, None],  # every group idle: nothing runs
+]
+PLAIN_SCRIPT = [[("extend", P1, None)], [("decode",)], [("extend", P0, 1)], [("decode",)]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    dp: int
+    backend: str = "none"
+    deepep_mode: str = "auto"
+    capacity: int = 64
+    dp_lm_head: bool = False
+
+    def server_args(self, path: str, tp: int | None = None, **overrides) -> ServerArgs:
+        kwargs = dict(
+            model_path=path,
+            dtype="float32",
+            device="cpu",
+            max_total_tokens=512,
+            max_running_requests=8,
+            chunked_prefill_size=64,
+            tp_size=self.tp if tp is None else tp,
+        )
+        if tp is None:
+            kwargs |= dict(
+                dp_size=self.dp,
+                enable_dp_attention=self.dp > 1,
+                enable_dp_lm_head=self.dp_lm_head,
+                moe_a2a_backend=self.backend,
+                deepep_mode=self.deepep_mode,
+                max_dispatch_tokens_per_rank=self.capacity,
+            )
+        return ServerArgs(**(kwargs | overrides))
+
+
+def script_for(layout: Layout) -> list[list]:
+    if layout.dp == 1:
+        return PLAIN_SCRIPT
+    return [[step[d % 2] for d in range(layout.dp)] for step in DP_SCRIPT]
+
+
+def _numpy(out) -> tuple:
+    extra = None if out.input_token_logits is None else out.input_token_logits.numpy()
+    return out.next_token_logits.numpy(), extra
+
+
+def run_group_script(runner: ModelRunner, layout: Layout, script: list[list]) -> list:
+    """This rank's group's column of ``script``, as its scheduler would run it."""
+    parallel = runner.parallel
+    group = parallel.attn_dp_rank
+    driver, results = SeqDriver(runner, salt=group), []
+    for step in script:
+        batch = driver.batch(step[group]) if step[group] else None
+        if layout.dp > 1:
+            info = sync_dp_batch(parallel, batch)
+            if info.all_idle:
+                continue
+            if batch is None:
+                idle = runner.forward_idle(info)
+                assert idle.next_token_logits.shape[0] == 0
+                continue
+            apply_dp_sync(batch, info)
+        if batch is not None:
+            results.append(_numpy(runner.forward(batch)))
+    return results
+
+
+def dp_worker(rank: int, n: int, init_method: str, layout: Layout, runs: list) -> dict:
+    torch.set_num_threads(1)
+    parallel = init_parallel_state(
+        n, rank, layout.dp, layout.dp > 1, layout.backend, "gloo", init_method
+    )
+    try:
+        out = {}
+        for label, path, overrides in runs:
+            runner = ModelRunner(layout.server_args(path, **overrides), parallel=parallel)
+            out[label] = run_group_script(runner, layout, script_for(layout))
+        return out
+    finally:
+        parallel.destroy()
+
+
+@functools.cache
+def reference(path: str, layout: Layout) -> tuple[list, ...]:
+    """Single-rank logits of every group's column of the script."""
+    script = script_for(layout)
+    columns = []
+    for group in range(layout.dp):
+        runner = ModelRunner(layout.server_args(path, tp=1))
+        driver = SeqDriver(runner, salt=group)
+        steps = [step[group] for step in script if step[group]]
+        columns.append([_numpy(runner.forward(driver.batch(a))) for a in steps])
+    return tuple(columns)
+
+
+def assert_close(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, ((next_got, in_got), (next_want, in_want)) in enumerate(zip(got, want)):
+        assert next_got.shape == next_want.shape, f"{what} step {i}"
+        diff = float(np.abs(next_got - next_want).max(initial=0.0))
+        assert diff <= TOLERANCE, f"{what} step {i}: max diff {diff:.2e}"
+        assert (in_got is None) == (in_want is None), f"{what} step {i}"
+        if in_got is not None:
+            diff = float(np.abs(in_got - in_want).max(initial=0.0))
+            assert diff <= TOLERANCE, f"{what} step {i} input logits: max diff {diff:.2e}"
+
+
+def check_layout(tiny_models: dict[str, str], layout: Layout, extra_runs: list = ()) -> dict:
+    runs = [(name, tiny_models[name], {}) for name in MODELS] + list(extra_runs)
+    results = run_ranks(dp_worker, layout.tp, layout, runs, timeout=120.0)
+    attn_tp = layout.tp // layout.dp
+    for rank, out in enumerate(results):
+        for label, path, _ in runs:
+            want = reference(path, layout)[rank // attn_tp]
+            assert_close(out[label], want, f"{label} rank {rank}")
+    return results
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(2, 2, "torch", "normal", dp_lm_head=True),
+        Layout(2, 2, "torch", "low_latency"),
+        Layout(2, 2, "torch", "auto", capacity=2),  # the 3-sequence decodes exceed it
+        Layout(4, 4, "torch", "auto"),
+        Layout(4, 2, "torch", "low_latency"),
+        Layout(2, 1, "torch", "normal"),  # all-to-all without DP attention
+    ],
+    ids=lambda layout: f"tp{layout.tp}-dp{layout.dp}-{layout.backend}-{layout.deepep_mode}",
+)
+def test_all_to_all_equals_single_rank(tiny_models, layout):
+    check_layout(tiny_models, layout)
+
+
+def test_dp_gather_and_lm_head_over_world_or_group(tiny_models):
+    """tp=2 dp=2 ``--moe-a2a-backend none``; Qwen also with ``--enable-dp-lm-head``."""
+    layout = Layout(2, 2)
+    qwen = ("qwen-dp-lm-head", tiny_models["tiny-qwen3-moe"], {"enable_dp_lm_head": True})
+    results = check_layout(tiny_models, layout, [qwen])
+    for out in results:
+        for (a, _), (b, _) in zip(out["tiny-qwen3-moe"], out["qwen-dp-lm-head"]):
+            assert float(np.abs(a - b).max(initial=0.0)) <= TOLERANCE
+
+
+def test_dp_gather_with_attention_tp_groups(tiny_models):
+    """tp=4 dp=2: groups of 2 ranks each send a chunk; group 1's decode leaves one empty."""
+    check_layout(tiny_models, Layout(4, 2))
