@@ -8,17 +8,24 @@
    direction (what the dispatchers do with two groups).
 
     python benchmark/bench_dispatch.py --world-size 2
-    # one rank per process, e.g. in two network namespaces joined by a rate-limited veth:
-    GLOO_SOCKET_IFNAME=veth0 python benchmark/bench_dispatch.py --rank 0 --world-size 2 \
-        --master-addr 10.0.0.1 --only throughput
+    # one rank per network namespace, joined by a veth shaped with tbf at 1 Gbit/s each way
+    # (made here and removed at exit, see benchmark/netns.py; needs root):
+    python benchmark/bench_dispatch.py --world-size 2 --netns --link-rate 1gbit
+    # one rank per process by hand (e.g. on two hosts, or namespaces made elsewhere):
+    GLOO_SOCKET_IFNAME=eth0 python benchmark/bench_dispatch.py --rank 0 --world-size 2 \
+        --master-addr 10.77.0.1 --master-port 29500 --only throughput
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import statistics
+import subprocess
+import sys
+import threading
 import time
 
 import torch
@@ -28,7 +35,9 @@ from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
+    EPLayout,
     PendingWork,
+    RowFormat,
 )
 
 
@@ -44,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-experts", type=int, default=64)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=50, help="layers timed per dispatcher")
+    p.add_argument("--large-iters", type=int, default=0, help="above 256 tokens (0: iters / 4)")
     p.add_argument("--throughput-mb", type=int, default=64, help="MiB sent to each peer")
     p.add_argument(
         "--duplex-min-bytes",
@@ -53,6 +63,16 @@ def parse_args() -> argparse.Namespace:
         help="2PG columns: split an exchange by direction from this many bytes on a link",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    net = p.add_argument_group("--netns: one rank per network namespace (benchmark/netns.py)")
+    net.add_argument(
+        "--netns",
+        action="store_true",
+        help="make world-size namespaces joined by veths, run rank i in namespace i, remove all",
+    )
+    net.add_argument("--link-rate", default="1gbit", help='tbf rate each way, or "unshaped"')
+    net.add_argument("--tbf-burst", type=int, default=None, help="bytes (default: 1 ms of rate)")
+    net.add_argument("--tbf-latency", default="20ms", help="tbf queue bound")
+    net.add_argument("--no-selftest", action="store_true", help="skip the TCP link self-test")
     return p.parse_args()
 
 
@@ -70,11 +90,24 @@ def routing(args, num_tokens: int, seed: int):
     return hidden, weights, ids
 
 
-def time_layer(dispatcher, inputs, iters: int) -> float:
-    """Median ms of one dispatch + combine (expert output = the dispatched hidden states), the
-    slowest rank's. Medians, because other processes share the cores."""
+def largest_link_kib(args, ids) -> float:
+    """KiB on the busiest directed link in a normal dispatch (the bytes that decide the
+    direction split), over all ranks."""
+    layout = EPLayout(dist.get_rank(), dist.get_world_size(), args.num_experts)
+    rows = layout.route(ids)[1].sum(dim=0)  # [ep] rows this rank sends each rank
+    rows[dist.get_rank()] = 0  # self traffic crosses no link
+    row_bytes = RowFormat(args.hidden_size, getattr(torch, args.dtype), args.top_k).row_bytes
+    return max_over_ranks(int(rows.max()) * row_bytes / 1024)
 
-    def once() -> float:
+
+def time_layers(dispatchers: list, inputs, iters: int) -> list[float]:
+    """Median ms of one dispatch + combine (expert output = the dispatched hidden states) for
+    each dispatcher, the slowest rank's. The dispatchers take turns, one layer each per round,
+    every layer started on all ranks together (a barrier, not timed), so a slow spell of a
+    shared core hits all of them alike; medians, for the same reason."""
+
+    def once(dispatcher) -> float:
+        dist.barrier()
         start = time.perf_counter()
         dispatcher.dispatch_a(*inputs)
         hidden, _, _ = dispatcher.dispatch_b()
@@ -83,9 +116,13 @@ def time_layer(dispatcher, inputs, iters: int) -> float:
         return time.perf_counter() - start
 
     for _ in range(3):
-        once()
-    dist.barrier()
-    return max_over_ranks(statistics.median(once() for _ in range(iters)) * 1e3)
+        for d in dispatchers:
+            once(d)
+    samples = [[] for _ in dispatchers]
+    for _ in range(iters):
+        for d, s in zip(dispatchers, samples):
+            s.append(once(d))
+    return [max_over_ranks(statistics.median(s) * 1e3) for s in samples]
 
 
 def make(args, mode: str, groups, capacity: int):
@@ -105,26 +142,40 @@ def make(args, mode: str, groups, capacity: int):
 
 
 def latency_table(args, one: list, two: list) -> None:
-    head = ["tokens", "normal 1PG", "normal 2PG", "LL C=T 1PG", "LL C=T 2PG", "LL C=128 2PG"]
+    head = [
+        "tokens",
+        "link KiB",
+        "normal 1PG",
+        "normal 2PG",
+        "LL C=T 1PG",
+        "LL C=T 2PG",
+        "LL C=128 2PG",
+    ]
     rows = []
     for t in args.tokens:
         inputs = routing(args, t, seed=dist.get_rank() * 7919 + t)
-        iters = max(3, args.iters if t <= 256 else args.iters // 4)
-        row = [time_layer(make(args, "normal", g, 1), inputs, iters) for g in (one, two)]
-        row += [time_layer(make(args, "low_latency", g, t), inputs, iters) for g in (one, two)]
-        row.append(
-            time_layer(make(args, "low_latency", two, 128), inputs, iters) if t <= 128 else None
-        )
-        rows.append([t, *row])
+        iters = args.iters if t <= 256 else args.large_iters or max(3, args.iters // 4)
+        dispatchers = [make(args, "normal", g, 1) for g in (one, two)]
+        dispatchers += [make(args, "low_latency", g, t) for g in (one, two)]
+        if t <= 128:
+            dispatchers.append(make(args, "low_latency", two, 128))
+        row = time_layers(dispatchers, inputs, iters)
+        row += [None] * (5 - len(row))
+        rows.append([t, largest_link_kib(args, inputs[2]), *row])
     if dist.get_rank() == 0:
         print(
             f"\nper-layer dispatch+combine, ms (H={args.hidden_size} {args.dtype}, "
             f"top-{args.top_k} of {args.num_experts}, {dist.get_world_size()} ranks; 2PG splits "
-            f"by direction from {args.duplex_min_bytes} B on a link)"
+            f"by direction from {args.duplex_min_bytes} B on a link; link KiB: busiest link of "
+            f"a normal dispatch)"
         )
         print("".join(f"{h:>14}" for h in head))
         for r in rows:
-            print(f"{r[0]:>14}" + "".join(f"{'-' if v is None else f'{v:.3f}':>14}" for v in r[1:]))
+            print(
+                f"{r[0]:>14}{r[1]:>14.1f}"
+                + "".join(f"{'-' if v is None else f'{v:.3f}':>14}" for v in r[2:]),
+                flush=True,
+            )
 
 
 def exchange_one(one: list, x, y, splits) -> PendingWork:
@@ -170,10 +221,10 @@ def throughput_table(args, one: list, two: list) -> None:
         for _ in range(reps):
             fn(groups, x, y, splits).wait()
         seconds = max_over_ranks((time.perf_counter() - start) / reps)  # includes the slowest
-        lines.append(f"{name:>34}: {per_peer * 8 / seconds / 1e9:7.2f} Gbit/s per link direction")
+        lines.append(f"{name:>34}: {per_peer * 8 / seconds / 1e9:7.3f} Gbit/s per link direction")
     if rank == 0:
         print(f"\nboth directions at once, {args.throughput_mb} MiB to each peer, {size} ranks")
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
 
 
 def run_rank(rank: int, args: argparse.Namespace) -> None:
@@ -196,8 +247,71 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def rank_argv(args: argparse.Namespace, rank: int, master_addr: str, port: int) -> list[str]:
+    """This script's command line for one rank of a --netns run."""
+    return [
+        sys.executable, os.path.abspath(__file__), "--rank", str(rank),
+        "--world-size", str(args.world_size), "--master-addr", master_addr,
+        "--master-port", str(port), "--only", args.only,
+        "--tokens", *map(str, args.tokens), "--hidden-size", str(args.hidden_size),
+        "--num-experts", str(args.num_experts), "--top-k", str(args.top_k),
+        "--dtype", args.dtype, "--iters", str(args.iters),
+        "--large-iters", str(args.large_iters),
+        "--throughput-mb", str(args.throughput_mb),
+        "--duplex-min-bytes", str(args.duplex_min_bytes), "--threads", str(args.threads),
+    ]  # fmt: skip
+
+
+def _relay(stream, prefix: str) -> None:
+    for line in stream:
+        print(prefix + line, end="", flush=True)
+
+
+def run_netns(args: argparse.Namespace) -> None:
+    """One rank per namespace; rank 0's output as is, the others' prefixed. Namespaces, links
+    and rank processes are removed on return, error, Ctrl-C or SIGTERM."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import netns  # benchmark/netns.py
+
+    rate = None if args.link_rate == "unshaped" else args.link_rate
+    with (
+        netns.exit_on_signals(),
+        netns.create_cluster(
+            args.world_size, rate, burst=args.tbf_burst, latency=args.tbf_latency
+        ) as cluster,
+    ):
+        print(f"torch {torch.__version__}, gloo; {cluster.describe()}", flush=True)
+        if not args.no_selftest:
+            print(netns.format_selftest(cluster, netns.link_selftest(cluster)), flush=True)
+        procs, relays = [], []
+        for r in range(args.world_size):
+            p = cluster.popen(
+                r,
+                rank_argv(args, r, cluster.addrs[0], 29500),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            t = threading.Thread(target=_relay, args=(p.stdout, "" if r == 0 else f"[rank {r}] "))
+            t.start()
+            procs.append(p)
+            relays.append(t)
+        while any(p.poll() is None for p in procs):  # a failed rank ends the run at once
+            if any(p.poll() for p in procs):
+                break
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        if any(c is None or c for c in codes):
+            raise SystemExit(f"a rank failed: exit codes {codes} (None: killed at cleanup)")
+        for t in relays:
+            t.join()
+
+
 def main() -> None:
     args = parse_args()
+    if args.netns:
+        run_netns(args)
+        return
     if args.rank is not None:
         run_rank(args.rank, args)
         return
