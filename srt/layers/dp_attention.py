@@ -177,7 +177,9 @@ class DpRowsGather:
     def __init__(self, parallel: ParallelState):
         self.parallel = parallel
 
-    def gather(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+        if counts is None:
+            raise RuntimeError("the LM head over the world needs the MLP sync (apply_dp_sync)")
         p = self.parallel
         sizes = [s for n in counts for s in chunk_sizes(n, p.attn_tp_size)]  # per world rank
         mine = attn_tp_chunk(rows, p.attn_tp_rank, p.attn_tp_size)

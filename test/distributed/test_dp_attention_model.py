@@ -12,17 +12,21 @@ empty); tp=2 torch without DP attention (no sync; an empty chunk)."""
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from run_ranks import run_ranks
+from safetensors.torch import save_file
 from seq_driver import SeqDriver
 
 from srt.distributed.parallel_state import init_parallel_state
 from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_loader.weight_utils import iterate_safetensors
 from srt.server_args import ServerArgs
 
 TOLERANCE = 1e-5
@@ -136,13 +140,14 @@ def reference(path: str, layout: Layout) -> tuple[list, ...]:
 def assert_close(got: list, want: list, what: str) -> None:
     assert len(got) == len(want), what
     for i, ((next_got, in_got), (next_want, in_want)) in enumerate(zip(got, want)):
-        assert next_got.shape == next_want.shape, f"{what} step {i}"
-        diff = float(np.abs(next_got - next_want).max(initial=0.0))
-        assert diff <= TOLERANCE, f"{what} step {i}: max diff {diff:.2e}"
         assert (in_got is None) == (in_want is None), f"{what} step {i}"
-        if in_got is not None:
-            diff = float(np.abs(in_got - in_want).max(initial=0.0))
-            assert diff <= TOLERANCE, f"{what} step {i} input logits: max diff {diff:.2e}"
+        for name, a, b in (("logits", next_got, next_want), ("input logits", in_got, in_want)):
+            if b is None:
+                continue
+            assert a.shape == b.shape, f"{what} step {i} {name}"
+            diff = float(np.abs(a - b).max(initial=0.0))
+            tolerance = TOLERANCE * max(1.0, float(np.abs(b).max(initial=0.0)))  # fp32 relative
+            assert diff <= tolerance, f"{what} step {i} {name}: max diff {diff:.2e}"
 
 
 def check_layout(tiny_models: dict[str, str], layout: Layout, extra_runs: list = ()) -> dict:
@@ -172,11 +177,25 @@ def test_all_to_all_equals_single_rank(tiny_models, layout):
     check_layout(tiny_models, layout)
 
 
-def test_dp_gather_and_lm_head_over_world_or_group(tiny_models):
-    """tp=2 dp=2 ``--moe-a2a-backend none``; Qwen also with ``--enable-dp-lm-head``."""
+@pytest.fixture(scope="module")
+def tied_qwen_path(tmp_path_factory, qwen3_moe_path) -> str:
+    """The tiny Qwen3-MoE with tied word embeddings: no ``lm_head.weight`` in the checkpoint."""
+    path = tmp_path_factory.mktemp("tied-qwen3-moe")
+    config = json.loads((Path(qwen3_moe_path) / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    tensors = dict(iterate_safetensors(qwen3_moe_path))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_dp_gather_and_lm_head_over_world_or_group(tiny_models, tied_qwen_path):
+    """tp=2 dp=2 ``--moe-a2a-backend none``; Qwen also with ``--enable-dp-lm-head``, and tied
+    (the LM head over the world loads its own shard of the group-sharded embedding)."""
     layout = Layout(2, 2)
     qwen = ("qwen-dp-lm-head", tiny_models["tiny-qwen3-moe"], {"enable_dp_lm_head": True})
-    results = check_layout(tiny_models, layout, [qwen])
+    tied = ("qwen-tied", tied_qwen_path, {})
+    results = check_layout(tiny_models, layout, [qwen, tied])
     for out in results:
         for (a, _), (b, _) in zip(out["tiny-qwen3-moe"], out["qwen-dp-lm-head"]):
             assert float(np.abs(a - b).max(initial=0.0)) <= TOLERANCE
