@@ -57,7 +57,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = shared_experts
         self.topk_config = topk_config
         self.dispatcher = dispatcher
-        self.attn_tp_size = attn_tp_size  # tokens per dispatching rank = a chunk of its group's
+        self.attn_tp_size = attn_tp_size  # each rank dispatches 1/attn_tp of its group's tokens
 
     def op_gate(self, state: LayerState) -> None:
         state.put(router_logits=self.gate(state.get("mlp_input")))
