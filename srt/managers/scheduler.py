@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
 from srt.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
@@ -173,8 +174,6 @@ class Scheduler:
         """The MLP-sync step: every rank all-gathers its batch's shape (and learns the global
         forward mode and padding); a rank without work runs an IDLE forward so the MoE
         collectives line up."""
-        from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch  # TEMP-LAZY
-
         runner = self.model_runner
         info = sync_dp_batch(runner.parallel, forward_batch)
         self.last_sync_all_idle = info.all_idle

@@ -22,6 +22,9 @@ from server_process import ServerProcess, free_port  # noqa: E402
 
 LAYOUTS = {
     "tp2": ("--tp", "2"),
+    "tp2-dp2-torch": (
+        "--tp", "2", "--dp", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
+    ),
 }  # fmt: skip
 FOLLOW_TIMEOUT_S = 30.0
 
@@ -132,7 +135,7 @@ def veth_namespace() -> Iterator[tuple[str, str]]:
 @pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
 def test_two_nodes_in_network_namespaces(qwen3_moe_path, reference):
     with veth_namespace() as (ns, host):
-        layout = LAYOUTS["tp2"]
+        layout = LAYOUTS["tp2-dp2-torch"]
         outputs = run_two_nodes(qwen3_moe_path, layout, host, ["ip", "netns", "exec", ns])
     assert outputs == reference
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
