@@ -375,6 +375,15 @@ class ServerArgs:
             ranks = divisors.get(name, layout.attn_tp_size)
             if size and size % ranks:
                 raise ValueError(f"{flag}: the model's {name} ({size}) is not divisible by {ranks}")
+        shared = (getattr(hf_config, "n_shared_experts", None) or 0) * (
+            sizes["moe_intermediate_size"] or 0
+        )
+        if shared and self.moe_a2a_backend == "none" and shared % self.tp_size:
+            # split over every rank (an all-to-all backend copies them to each rank instead)
+            raise ValueError(
+                f"{flag}: the shared experts' intermediate size ({shared}) is not divisible "
+                f"by {self.tp_size}"
+            )
         kv_heads = getattr(hf_config, "num_key_value_heads", None)
         attn_tp = layout.attn_tp_size
         if kv_heads and kv_heads % attn_tp and attn_tp % kv_heads:

@@ -24,6 +24,7 @@ LOW_LATENCY = {  # every batch must fit the fixed-capacity buffers (checked at s
 
 CONFIGS = {
     "tp2-dp2-none": dict(tp_size=2, dp_size=2, **DP),
+    "tp2-dp2-none-ep2": dict(tp_size=2, dp_size=2, ep_size=2, **DP),
     "tp2-dp2-torch-normal": dict(
         tp_size=2, dp_size=2, moe_a2a_backend="torch", deepep_mode="normal", **DP
     ),

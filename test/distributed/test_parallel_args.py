@@ -76,3 +76,21 @@ def test_launch_server_exits_naming_the_flag(qwen3_moe_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "--tp-size 4 must be divisible by --dp-size 3" in proc.stderr
+
+
+def test_shared_experts_must_split_over_all_ranks_without_all_to_all(deepseek_v3_path):
+    from types import SimpleNamespace
+
+    from srt.model_loader.config import ModelConfig
+
+    # backend none with EP-sharded routed experts: they need no split of their intermediate
+    # size, the shared experts still do (over all 4 ranks)
+    a = ServerArgs(
+        model_path=deepseek_v3_path, tp_size=4, dp_size=4, enable_dp_attention=True, ep_size=4
+    )
+    cfg = ModelConfig.from_server_args(a).hf_config
+    odd = SimpleNamespace(**{**cfg.to_dict(), "moe_intermediate_size": 34, "n_shared_experts": 1})
+    with pytest.raises(ValueError, match="shared experts' intermediate size"):
+        a.check_against_model(odd)
+    a2a = ServerArgs(model_path=deepseek_v3_path, tp_size=2, moe_a2a_backend="torch")
+    a2a.check_against_model(SimpleNamespace(**{**vars(odd), "moe_intermediate_size": 33}))
