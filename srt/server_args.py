@@ -186,6 +186,43 @@ class ServerArgs:
             "few ports on HOST.",
         ),
     )
+    # Two-batch overlap
+    enable_two_batch_overlap: bool = field(
+        default=False,
+        metadata=_arg(
+            "overlap",
+            "Split each batch in two micro-batches and interleave their MoE layers, so one "
+            "computes while the other's all-to-all is in flight.",
+        ),
+    )
+    tbo_token_distribution_threshold: float = field(
+        default=0.48,
+        metadata=_arg(
+            "overlap",
+            "Cut one prompt in two when the balanced split leaves a micro-batch under this "
+            "share of the tokens; in [0, 0.5], 0 turns the two-chunk split off.",
+        ),
+    )
+    tbo_decode_token_threshold: int = field(
+        default=32,
+        metadata=_arg(
+            "overlap", "Decode batches under this many tokens (per DP group) run unsplit; 0: all."
+        ),
+    )
+    tbo_prefill_token_threshold: int = field(
+        default=512,
+        metadata=_arg(
+            "overlap", "Prefill batches under this many tokens (per DP group) run unsplit; 0: all."
+        ),
+    )
+    enable_operation_profile: bool = field(
+        default=False,
+        metadata=_arg(
+            "overlap",
+            "Wrap every layer operation in a torch.profiler record_function marker (also: "
+            "environment SRT_OPERATION_PROFILE=1).",
+        ),
+    )
     # HTTP server
     host: str = field(default="127.0.0.1", metadata=_arg("server", "Address to listen on."))
     port: int = field(default=30000, metadata=_arg("server", "Port to listen on."))
@@ -223,6 +260,7 @@ class ServerArgs:
             self.max_running_requests = 2048 if self.device == "cuda" else 256
         self._check_ranges()
         self._check_parallel()
+        self._check_overlap()
 
     def _check_ranges(self) -> None:
         def require(ok: bool, flag: str, msg: str) -> None:
@@ -309,6 +347,25 @@ class ServerArgs:
             check_deepep()
         if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
             self._check_low_latency_capacity()
+
+    def _check_overlap(self) -> None:
+        if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise ValueError(
+                f"--tbo-token-distribution-threshold {self.tbo_token_distribution_threshold}: "
+                "must be in [0, 0.5]"
+            )
+        for flag in ("tbo_decode_token_threshold", "tbo_prefill_token_threshold"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--{flag.replace('_', '-')}: must be ≥ 0")
+        if (
+            self.enable_two_batch_overlap
+            and self.moe_a2a_backend == "none"
+            and not self.enable_dp_attention
+        ):
+            raise ValueError(
+                "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
+                "torch (or deepep), or --enable-dp-attention"
+            )
 
     def _check_low_latency_capacity(self) -> None:
         """--deepep-mode low_latency sends every batch through fixed-capacity buffers: the

@@ -1,11 +1,16 @@
-"""Layer operations and their executor.
+"""Layer operations and their executors.
 
 A decoder layer exposes its forward as a list of small operations (``op_*`` methods). Each
-operation reads and writes a ``LayerState``; the plain forward runs the list in order.
+operation reads and writes a ``LayerState``; the plain forward runs the list in order
+(``execute_operations``). An operations list may hold ``YieldOperation`` markers, which cut it
+into stages: two-batch overlap runs two micro-batches' states through the same stages,
+interleaved (``execute_overlapped_operations``), so that one computes while the other's
+all-to-all, launched by an ``_a`` operation and awaited by its ``_b`` one, is in flight.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +58,103 @@ class LayerState:
         return outputs
 
 
-def execute_operations(state: LayerState, operations: Sequence[Operation]) -> None:
-    """The plain path: every operation once, in order."""
+class YieldOperation:
+    """A stage boundary: under two-batch overlap the other micro-batch runs here."""
+
+    def __repr__(self) -> str:
+        return "YIELD"
+
+
+@dataclass(frozen=True)
+class ExecutionOperation:
+    """One operation with its name (for profiles and error messages)."""
+
+    name: str
+    fn: Operation
+
+    def __call__(self, state: LayerState) -> None:
+        self.fn(state)
+
+
+OperationItem = ExecutionOperation | YieldOperation
+
+
+class OperationObserver:
+    """Watches every operation an executor runs: wraps it in a ``torch.profiler``
+    ``record_function`` marker (``--enable-operation-profile``), and, with ``record`` on,
+    keeps ``(track, name, start_s, end_s)`` for a timeline (``track``: "plain", or "A" / "B"
+    for the micro-batches)."""
+
+    def __init__(self, record: bool = False):
+        self.record = record
+        self.events: list[tuple[str, str, float, float]] = []
+
+    def run(self, op: ExecutionOperation, state: LayerState, track: str) -> None:
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"{track}:{op.name}"):
+            op(state)
+        if self.record:
+            self.events.append((track, op.name, start, time.perf_counter()))
+
+
+def to_stages(operations: Sequence[OperationItem]) -> list[list[ExecutionOperation]]:
+    """Cut at every YieldOperation: n markers give n + 1 stages (possibly empty)."""
+    stages: list[list[ExecutionOperation]] = [[]]
     for op in operations:
-        op(state)
+        if isinstance(op, YieldOperation):
+            stages.append([])
+        else:
+            stages[-1].append(op)
+    return stages
+
+
+def _run_stage(
+    stage: list[ExecutionOperation],
+    state: LayerState,
+    observer: OperationObserver | None,
+    track: str,
+) -> None:
+    for op in stage:
+        if observer is None:
+            op(state)
+        else:
+            observer.run(op, state, track)
+
+
+def execute_operations(
+    state: LayerState,
+    operations: Sequence[Operation | OperationItem],
+    observer: OperationObserver | None = None,
+) -> None:
+    """The plain path: every operation once, in order; yields are ignored."""
+    for op in operations:
+        if isinstance(op, YieldOperation):
+            continue
+        if observer is None or not isinstance(op, ExecutionOperation):
+            op(state)
+        else:
+            observer.run(op, state, "plain")
+
+
+def execute_overlapped_operations(
+    inputs_a: LayerState,
+    inputs_b: LayerState,
+    operations: Sequence[OperationItem],
+    delta_stages: int,
+    observer: OperationObserver | None = None,
+) -> tuple[LayerState, LayerState]:
+    """Two micro-batches through the same stages: A runs ``delta_stages`` stages alone, then A
+    and B alternate stage by stage (A's stage ``i + delta`` then B's stage ``i``), then B runs
+    its last ``delta_stages`` stages. Every rank runs the same sequence, so the collectives
+    the stages launch line up across ranks. Each state carries its own micro-batch (and with
+    it its DP buffer length and dispatcher index), so nothing global is switched between
+    stages. Returns the two states."""
+    stages = to_stages(operations)
+    if not 0 <= delta_stages <= len(stages):
+        raise ValueError(f"delta_stages {delta_stages} outside [0, {len(stages)}]")
+    for i in range(len(stages) + delta_stages):
+        if i < len(stages):
+            _run_stage(stages[i], inputs_a, observer, "A")
+        if i >= delta_stages:
+            _run_stage(stages[i - delta_stages], inputs_b, observer, "B")
+    return inputs_a, inputs_b

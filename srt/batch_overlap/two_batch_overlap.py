@@ -1,5 +1,7 @@
-"""Two-batch overlap: where to split a batch into two micro-batches (SGLang's rules, names and
-keywords, see REFERENCE.md).
+"""Two-batch overlap (TBO): split a batch into two micro-batches and run the MoE layers'
+operations of both interleaved, so one computes while the other's all-to-all is in flight.
+
+Where to split (SGLang's rules, names and keywords, see REFERENCE.md):
 
 - Decode and target-verify split the sequences in half (each sequence has the same number of
   tokens: 1, or the draft length).
@@ -9,13 +11,36 @@ keywords, see REFERENCE.md).
   the first part of that sequence, child B continues it with a longer prefix.
 - ``token_distribution_threshold`` is ``--tbo-token-distribution-threshold`` (0 turns the
   two-chunk split off). It is an explicit argument: no global server-args dictionary.
+
+Whether to split (vLLM's DBO thresholds): a batch below ``--tbo-decode-token-threshold``
+(decode) or ``--tbo-prefill-token-threshold`` (extend) tokens runs unsplit, as does one whose
+split would leave a child empty; under DP attention the decision is unanimous (the MLP sync,
+``srt.layers.dp_attention``): every non-idle group must be able to split, all in the same mode.
+
+How (``split_forward_batch``, ``run_layers_overlapped``): the children are ForwardBatches over
+token ranges ``[0, split_token)`` and ``[split_token, N)`` of the parent; embedding, the dense
+layers before the first MoE layer, the final norm and the LM head run on the parent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from srt.model_executor.forward_batch_info import ForwardMode
+import torch
+
+from srt.batch_overlap.operations import (
+    LayerState,
+    OperationObserver,
+    execute_overlapped_operations,
+)
+from srt.batch_overlap.operations_strategy import OperationsStrategy
+from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len, round_up
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from srt.models.decoder_layer import MoEDecoderLayer
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
 
@@ -103,3 +128,158 @@ def _split_array_by_cum_less_than_half(lens: Sequence[int]) -> int:
         if left > half:
             return i
     return 0
+
+
+# ---------------------------------------------------------------------------------- whether
+@dataclass(frozen=True)
+class TboConfig:
+    """The TBO flags a ModelRunner needs (no global server-args dictionary)."""
+
+    enabled: bool = False
+    decode_token_threshold: int = 32
+    prefill_token_threshold: int = 512
+    token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD
+
+    @classmethod
+    def from_server_args(cls, server_args) -> TboConfig:
+        return cls(
+            server_args.enable_two_batch_overlap,
+            server_args.tbo_decode_token_threshold,
+            server_args.tbo_prefill_token_threshold,
+            server_args.tbo_token_distribution_threshold,
+        )
+
+
+def plan_two_batch_overlap(batch: ForwardBatch, config: TboConfig) -> None:
+    """This rank's proposal: sets ``tbo_split_seq_index`` / ``tbo_split_token_index`` when the
+    batch can split (None otherwise) and, without DP attention (every rank runs this batch),
+    ``can_run_tbo``. Under DP attention ``apply_dp_sync`` decides ``can_run_tbo`` for all.
+
+    Only EXTEND and DECODE batches split: srt's scheduler makes no MIXED batches and has no
+    speculative decoding (TARGET_VERIFY), whose split rule needs the draft length."""
+    batch.tbo_split_seq_index = batch.tbo_split_token_index = None
+    batch.can_run_tbo = False
+    mode, num_tokens = batch.forward_mode, batch.num_tokens
+    if not config.enabled or mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        return
+    is_extend = mode == ForwardMode.EXTEND
+    threshold = config.prefill_token_threshold if is_extend else config.decode_token_threshold
+    if num_tokens < max(threshold, 2):
+        return
+    lens, per_seq = (batch.extend_seq_lens_cpu, None) if is_extend else (None, 1)
+    dist = config.token_distribution_threshold
+    seq = compute_split_seq_index(mode, num_tokens, lens, per_seq, dist)
+    token = compute_split_token_index(seq, mode, lens, per_seq, dist)
+    if not 0 < token < num_tokens:  # a child would be empty: not worth two micro-batches
+        return
+    batch.tbo_split_seq_index, batch.tbo_split_token_index = seq, token
+    batch.can_run_tbo = True
+
+
+# ---------------------------------------------------------------------------------- children
+def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardBatch]:
+    """The two micro-batches of a batch whose ``can_run_tbo`` is set (an idle batch: two
+    empty ones). Token fields are views of the parent's; under the two-chunk split the cut
+    sequence appears in both: child A with its first tokens, child B continuing it with its
+    prefix length increased by those. Under DP attention each child gets every group's token
+    count for its half, and its own padding mode and buffer length."""
+    if batch.forward_mode.is_idle():
+        bounds = [(0, 0, 0, 0), (0, 0, 0, 0)]
+        cut = 0
+    else:
+        seq, token, bs = batch.tbo_split_seq_index, batch.tbo_split_token_index, batch.batch_size
+        cut = 0
+        if batch.forward_mode.is_extend():
+            cut = token - sum(batch.extend_seq_lens_cpu[:seq])  # child A's part of seq
+        bounds = [(0, token, 0, seq + (cut > 0)), (token, batch.num_tokens, seq, bs)]
+    children = [_child(batch, i, *bounds[i], cut, attn_tp_size) for i in range(2)]
+    if batch.global_num_tokens_cpu is not None:
+        firsts = batch.global_tbo_split_tokens_cpu
+        counts = [firsts, [n - a for n, a in zip(batch.global_num_tokens_cpu, firsts)]]
+        for child, child_counts in zip(children, counts):
+            _set_dp_fields(child, batch, child_counts, attn_tp_size)
+    return children
+
+
+def _child(
+    parent: ForwardBatch, index: int, t0: int, t1: int, s0: int, s1: int, cut: int, attn_tp: int
+) -> ForwardBatch:
+    device = parent.device
+    seq_lens = list(parent.seq_lens_cpu[s0:s1])
+    fields = dict(
+        forward_mode=parent.forward_mode if t1 > t0 else ForwardMode.IDLE,
+        batch_size=s1 - s0,
+        input_ids=parent.input_ids[t0:t1],
+        positions=parent.positions[t0:t1],
+        req_pool_indices=parent.req_pool_indices[s0:s1],
+        out_cache_loc=parent.out_cache_loc[t0:t1],
+        req_to_token_pool=parent.req_to_token_pool,
+        token_to_kv_pool=parent.token_to_kv_pool,
+        global_forward_mode=parent.global_forward_mode or parent.forward_mode,
+        is_extend_in_batch=parent.is_extend_in_batch,
+        tbo_subbatch_index=index,
+        tbo_parent_token_range=(t0, t1),
+        tbo_padded_len=round_up(t1 - t0, attn_tp),
+    )
+    if parent.forward_mode.is_extend() and t1 > t0:
+        prefix = list(parent.extend_prefix_lens_cpu[s0:s1])
+        extend = list(parent.extend_seq_lens_cpu[s0:s1])
+        if cut and index == 0:  # the cut sequence ends after its first `cut` new tokens
+            extend[-1] = cut
+            seq_lens[-1] = prefix[-1] + cut
+        elif cut:  # ... and child B computes the rest on top of them
+            prefix[0] += cut
+            extend[0] -= cut
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+        starts = [sum(extend[:i]) for i in range(len(extend))]
+        fields |= dict(
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=extend,
+            extend_prefix_lens=as_tensor(prefix),
+            extend_seq_lens=as_tensor(extend),
+            extend_start_loc=as_tensor(starts),
+        )
+    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    return ForwardBatch(seq_lens=seq_lens_tensor, seq_lens_cpu=seq_lens, **fields)
+
+
+def _set_dp_fields(
+    child: ForwardBatch, parent: ForwardBatch, counts: list[int], attn_tp_size: int
+) -> None:
+    padding = DpPaddingMode.choose(parent.is_extend_in_batch, counts)
+    child.global_num_tokens_cpu = list(counts)
+    child.dp_padding_mode = padding
+    child.global_dp_buffer_len = dp_buffer_len(padding, counts, attn_tp_size)
+
+
+# ---------------------------------------------------------------------------------- running
+def run_layers_overlapped(
+    layers: Sequence[MoEDecoderLayer],
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    batch: ForwardBatch,
+    mode: ForwardMode,
+    observer: OperationObserver | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers`` on the two children of ``batch``, interleaved by the layers' operations
+    strategy for ``mode`` (the global mode); the children's outputs concatenated back in the
+    parent's token order."""
+    strategy = OperationsStrategy.init_new_tbo(layers, mode)
+    states = []
+    for child in batch.tbo_children:
+        t0, t1 = child.tbo_parent_token_range
+        state = LayerState(child, child.positions)
+        state.put(
+            hidden_states=hidden[t0:t1], residual=None if residual is None else residual[t0:t1]
+        )
+        states.append(state)
+    execute_overlapped_operations(*states, strategy.operations, strategy.tbo_delta_stages, observer)
+    outputs = [state.take_outputs("hidden_states", "residual") for state in states]
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
+def with_children(batch: ForwardBatch, attn_tp_size: int) -> ForwardBatch:
+    """``batch`` with its ``tbo_children`` built when the step runs split."""
+    if batch.can_run_tbo and batch.tbo_children is None:
+        batch.tbo_children = split_forward_batch(batch, attn_tp_size)
+    return batch

@@ -1,9 +1,11 @@
 """DP attention: the per-step MLP sync and the token movement between attention-DP groups.
 
 Sync: every step, every rank all-gathers (gloo, cpu group) its batch's shape: tokens, LM-head
-rows, extend or not, forward mode. From that every rank derives the same :class:`DpSyncInfo`:
-per-group counts, the global forward mode, the padding mode and the buffer length. A rank whose
-group has no batch runs an IDLE one so that the MoE and LM-head collectives line up.
+rows, extend or not, forward mode, and its two-batch-overlap proposal (can it split, and where).
+From that every rank derives the same :class:`DpSyncInfo`: per-group counts, the global forward
+mode, the padding mode, the buffer length and the TBO decision (``agree_two_batch_overlap``).
+A rank whose group has no batch runs an IDLE one so that the MoE and LM-head collectives line
+up.
 
 Padding (SGLang's rules), for the buffer that gathers every group's tokens around a MoE without
 an all-to-all backend:
@@ -87,6 +89,8 @@ class DpSyncInfo:
     global_forward_mode: ForwardMode  # IDLE if every group is idle, EXTEND if any extends
     padding_mode: DpPaddingMode
     global_dp_buffer_len: int
+    can_run_tbo: bool = False
+    tbo_split_tokens: list[int] | None = None  # per group, its first micro-batch's tokens
 
     @property
     def all_idle(self) -> bool:
@@ -95,14 +99,30 @@ class DpSyncInfo:
 
 def _sync_row(batch: ForwardBatch | None) -> list[int]:
     if batch is None or batch.forward_mode.is_idle():
-        return [0, 0, 0, int(ForwardMode.IDLE)]
-    mode = batch.forward_mode
-    return [batch.num_tokens, num_logit_rows(batch), int(mode.is_extend()), int(mode)]
+        return [0, 0, 0, int(ForwardMode.IDLE), 0, 0]
+    mode, split = batch.forward_mode, batch.tbo_split_token_index
+    return [
+        batch.num_tokens,
+        num_logit_rows(batch),
+        int(mode.is_extend()),
+        int(mode),
+        int(split is not None),
+        split or 0,
+    ]
+
+
+def agree_two_batch_overlap(rows: list[tuple[ForwardMode, bool]]) -> bool:
+    """The DP agreement of two-batch overlap over ``(forward_mode, local_can_run_tbo)`` per
+    group: TBO only if every non-idle group can split and all non-idle groups are in the same
+    mode; an idle group follows (it splits its empty batch in two); all idle → no TBO."""
+    busy = [(mode, can) for mode, can in rows if not mode.is_idle()]
+    return bool(busy) and all(can for _, can in busy) and len({m for m, _ in busy}) == 1
 
 
 def dp_sync_info(group_rows: list[list[int]], attn_tp_size: int) -> DpSyncInfo:
     """``group_rows``: per attention-DP group ``[num_tokens, num_tokens_for_logprob,
-    is_extend, forward_mode]``, as gathered by :func:`sync_dp_batch`."""
+    is_extend, forward_mode, local_can_run_tbo, tbo_split_token_index]``, as gathered by
+    :func:`sync_dp_batch`."""
     tokens = [row[0] for row in group_rows]
     is_extend = any(row[2] for row in group_rows)
     if is_extend:
@@ -112,6 +132,7 @@ def dp_sync_info(group_rows: list[list[int]], attn_tp_size: int) -> DpSyncInfo:
     else:
         mode = ForwardMode.DECODE
     padding = DpPaddingMode.choose(is_extend, tokens)
+    tbo = agree_two_batch_overlap([(ForwardMode(row[3]), bool(row[4])) for row in group_rows])
     return DpSyncInfo(
         tokens,
         [row[1] for row in group_rows],
@@ -119,6 +140,8 @@ def dp_sync_info(group_rows: list[list[int]], attn_tp_size: int) -> DpSyncInfo:
         mode,
         padding,
         dp_buffer_len(padding, tokens, attn_tp_size),
+        tbo,
+        [row[5] for row in group_rows] if tbo else None,
     )
 
 
@@ -145,6 +168,10 @@ def apply_dp_sync(forward_batch: ForwardBatch, info: DpSyncInfo) -> None:
     forward_batch.is_extend_in_batch = info.is_extend_in_batch
     forward_batch.dp_padding_mode = info.padding_mode
     forward_batch.global_dp_buffer_len = info.global_dp_buffer_len
+    forward_batch.can_run_tbo = info.can_run_tbo
+    forward_batch.global_tbo_split_tokens_cpu = info.tbo_split_tokens
+    if forward_batch.forward_mode.is_idle() and info.can_run_tbo:
+        forward_batch.tbo_split_seq_index = forward_batch.tbo_split_token_index = 0
 
 
 # ---------------------------------------------------------------------------------- chunks

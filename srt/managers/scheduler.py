@@ -175,6 +175,8 @@ class Scheduler:
         forward mode and padding); a rank without work runs an IDLE forward so the MoE
         collectives line up."""
         runner = self.model_runner
+        if forward_batch is not None:
+            runner.plan_two_batch_overlap(forward_batch)  # this group's proposal for the sync
         info = sync_dp_batch(runner.parallel, forward_batch)
         self.last_sync_all_idle = info.all_idle
         if forward_batch is not None:
@@ -330,4 +332,13 @@ class Scheduler:
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
+            **self._overlap_step_counts(),
         }
+
+    def _overlap_step_counts(self) -> dict:
+        """Forwards run with and without two-batch overlap, by local forward mode."""
+        counts = getattr(self.model_runner, "forward_step_counts", {})
+        by_mode = {True: {}, False: {}}
+        for (tbo, mode), n in sorted(counts.items()):
+            by_mode[tbo][mode] = n
+        return {"num_tbo_steps": by_mode[True], "num_non_tbo_steps": by_mode[False]}

@@ -91,6 +91,19 @@ class ForwardBatch:
     is_extend_in_batch: bool = False
     dp_padding_mode: DpPaddingMode | None = None
     global_dp_buffer_len: int | None = None
+    # Two-batch overlap (``srt.batch_overlap.two_batch_overlap``). On a parent: this rank's
+    # split (None: it cannot split), whether the step runs split (decided once, unanimously
+    # under DP attention), every DP group's first-child tokens, and the two children once
+    # built. On a child: its index (0 = A, 1 = B), its token range in the parent and its
+    # token count rounded up to a multiple of attn_tp_size.
+    tbo_split_seq_index: int | None = None
+    tbo_split_token_index: int | None = None
+    can_run_tbo: bool = False
+    global_tbo_split_tokens_cpu: list[int] | None = None
+    tbo_children: list[ForwardBatch] | None = None
+    tbo_subbatch_index: int | None = None
+    tbo_parent_token_range: tuple[int, int] | None = None
+    tbo_padded_len: int | None = None
 
     @classmethod
     def idle(

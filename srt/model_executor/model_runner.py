@@ -8,16 +8,26 @@ agree on the pool size (the minimum over ranks), so their schedulers stay in loc
 Under DP attention the scheduler syncs every step (``srt.layers.dp_attention.sync_dp_batch``)
 and applies the result to its batch (``apply_dp_sync``) before ``forward``; a rank whose group
 has no batch while others have one calls ``forward_idle`` so that the MoE and LM-head
-collectives line up."""
+collectives line up.
+
+Two-batch overlap: ``plan_two_batch_overlap`` records where this rank's batch would split (the
+scheduler calls it before the MLP sync, which makes the decision unanimous); ``forward`` then
+builds the two children and the model runs its MoE layers on them interleaved. Without DP
+attention every rank runs the same batch, so ``forward`` plans and decides by itself."""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections import Counter
 
 import torch
 
+from srt.batch_overlap.operations import OperationObserver
+from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
+from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.dp_attention import DpSyncInfo, apply_dp_sync
 from srt.layers.logits_processor import LogitsProcessorOutput
@@ -62,8 +72,27 @@ class ModelRunner:
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
         self._init_model()
         self._init_memory_pools()
-        self.attn_backend = TorchNativeAttnBackend()
+        self.tbo_config = TboConfig.from_server_args(server_args)
+        self.attn_backend = (
+            TboAttnBackend.init_new(TorchNativeAttnBackend)
+            if self.tbo_config.enabled
+            else TorchNativeAttnBackend()
+        )
         self.sampler = Sampler(server_args.random_seed)
+        # forwards run, by (split in two micro-batches?, local forward mode name)
+        self.forward_step_counts: Counter[tuple[bool, str]] = Counter()
+        self.operation_observer: OperationObserver | None = None
+        if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
+            self.set_operation_observer(OperationObserver())
+
+    def set_operation_observer(self, observer: OperationObserver | None) -> None:
+        """Wrap every layer operation in a profiler marker (and, with ``observer.record``,
+        time it); None turns it off."""
+        self.operation_observer = observer
+        self.model.model.operation_observer = observer
+
+    def plan_two_batch_overlap(self, forward_batch: ForwardBatch) -> None:
+        plan_two_batch_overlap(forward_batch, self.tbo_config)
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
@@ -120,8 +149,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if forward_batch.global_num_tokens_cpu is None:  # no MLP sync: decide locally
+            self.plan_two_batch_overlap(forward_batch)
+        with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
+        mode = forward_batch.forward_mode.name.lower()
+        self.forward_step_counts[(forward_batch.can_run_tbo, mode)] += 1
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:

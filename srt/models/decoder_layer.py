@@ -8,7 +8,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState, Operation, execute_operations
+from srt.batch_overlap.operations import (
+    LayerState,
+    OperationItem,
+    OperationObserver,
+    execute_operations,
+)
+from srt.batch_overlap.operations_strategy import OperationsFamily, layer_operations
+from srt.batch_overlap.two_batch_overlap import run_layers_overlapped
 from srt.distributed.communication_op import all_reduce
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
@@ -33,6 +40,7 @@ class MoEDecoderLayer(nn.Module):
 
     self_attn: nn.Module
     mlp: nn.Module
+    operations_family: OperationsFamily  # set by each model's layer class
 
     def _init_norms(self, hidden_size: int, eps: float, ctx: ModelContext) -> None:
         self.input_layernorm = RMSNorm(hidden_size, eps=eps)
@@ -45,26 +53,33 @@ class MoEDecoderLayer(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.mlp, SparseMoeBlock)
 
+    @property
+    def has_shared_experts(self) -> bool:
+        return self.is_moe and self.mlp.shared_experts is not None
+
     def op_mlp(self, state: LayerState) -> None:
         state.put(mlp_output=self.mlp(state.pop("mlp_input")))
 
-    def get_operations(self, forward_mode: ForwardMode) -> list[Operation]:
-        attn, mlp, comm = self.self_attn, self.mlp, self.comm
-        head = [comm.prepare_attn, attn.op_prepare_attn, attn.op_core_attn, comm.prepare_mlp]
-        if not self.is_moe:
-            return head + [self.op_mlp, comm.postprocess]
-        ops = [
-            mlp.op_gate,
-            mlp.op_select_experts,
-            mlp.op_dispatch_a,
-            mlp.op_dispatch_b,
-            mlp.op_experts,
-            mlp.op_combine_a,
-            mlp.op_combine_b,
-        ]
-        if mlp.shared_experts is not None:
-            ops.append(mlp.op_shared_experts)
-        return head + ops + [mlp.op_output, comm.postprocess]
+    def operation(self, name: str):
+        """The bound operation an OperationsStrategy names."""
+        comm, attn = self.comm, self.self_attn
+        table = {
+            "comm_prepare_attn": comm.prepare_attn,
+            "prepare_attn": attn.op_prepare_attn,
+            "core_attn": attn.op_core_attn,
+            "comm_prepare_mlp": comm.prepare_mlp,
+            "comm_postprocess": comm.postprocess,
+            "mlp": self.op_mlp,
+        }
+        if name in table:
+            return table[name]
+        op = getattr(self.mlp, f"op_{name}", None) if self.is_moe else None
+        if op is None:
+            raise KeyError(f"layer {type(self).__name__} has no operation {name!r}")
+        return op
+
+    def get_operations(self, forward_mode: ForwardMode) -> list[OperationItem]:
+        return layer_operations(self, forward_mode).operations
 
     def forward(
         self,
@@ -72,11 +87,19 @@ class MoEDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
+        observer: OperationObserver | None = None,
     ):
         state = LayerState(batch, positions)
         state.put(hidden_states=hidden_states, residual=residual)
-        execute_operations(state, self.get_operations(batch.forward_mode))
+        execute_operations(state, self.get_operations(strategy_mode(batch)), observer)
         return state.take_outputs("hidden_states", "residual")
+
+
+def strategy_mode(batch: ForwardBatch) -> ForwardMode:
+    """The mode whose operations list a batch runs: the global one (an idle rank follows the
+    others; with nothing global, an idle batch takes the decode list)."""
+    mode = batch.global_forward_mode or batch.forward_mode
+    return ForwardMode.DECODE if mode.is_idle() else mode
 
 
 class MoEModel(nn.Module):
@@ -90,13 +113,24 @@ class MoEModel(nn.Module):
             layer_cls(config, i, ctx) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Two-batch overlap starts at the first MoE layer; dense layers before it (DeepSeek's
+        # first_k_dense_replace) run on the whole batch.
+        self.tbo_start_layer = next(
+            (i for i, layer in enumerate(self.layers) if layer.is_moe), len(self.layers)
+        )
+        self.operation_observer: OperationObserver | None = None  # set by the ModelRunner
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         # Each rank embeds the ids of its vocabulary shard (zeros elsewhere): sum them.
         hidden = all_reduce(self.attn_tp_group, self.embed_tokens(input_ids))
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch)
+        residual, observer = None, self.operation_observer
+        end = self.tbo_start_layer if batch.tbo_children else len(self.layers)
+        for layer in self.layers[:end]:
+            hidden, residual = layer(positions, hidden, residual, batch, observer)
+        if end < len(self.layers):
+            hidden, residual = run_layers_overlapped(
+                self.layers[end:], hidden, residual, batch, strategy_mode(batch), observer
+            )
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
+from srt.batch_overlap.operations_strategy import DEEPSEEK
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from srt.layers.moe.moe_block import MoEGate
@@ -124,6 +125,8 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(MoEDecoderLayer):
+    operations_family = DEEPSEEK
+
     def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
         p = ctx.parallel

@@ -41,6 +41,7 @@ class ModelOptions:
     deepep_mode: str = "auto"
     max_dispatch_tokens_per_rank: int = 128
     enable_dp_lm_head: bool = False
+    enable_two_batch_overlap: bool = False
 
     @classmethod
     def from_server_args(cls, server_args) -> ModelOptions:
@@ -48,19 +49,20 @@ class ModelOptions:
             server_args.deepep_mode,
             server_args.max_dispatch_tokens_per_rank,
             server_args.enable_dp_lm_head,
+            server_args.enable_two_batch_overlap,
         )
 
 
 class ModelContext:
-    """Builds a model's parallel-layout-dependent parts. It owns the model's token dispatcher:
-    one instance shared by every MoE layer (one micro-batch runs one exchange at a time, and
-    low_latency buffers per layer would cost memory for nothing); a second micro-batch (TBO)
-    needs a second instance, never a second use of this one."""
+    """Builds a model's parallel-layout-dependent parts. It owns the model's token dispatchers:
+    one instance per micro-batch, shared by every MoE layer (one micro-batch runs one exchange
+    at a time, and low_latency buffers per layer would cost memory for nothing). Two-batch
+    overlap has two micro-batches, so two instances: never a second use of one."""
 
     def __init__(self, parallel: ParallelState | None = None, options: ModelOptions | None = None):
         self.parallel = parallel or ParallelState.single_rank()
         self.options = options or ModelOptions()
-        self.dispatcher: TokenDispatcher | None = None
+        self.dispatchers: list[TokenDispatcher] = []
         self._dispatcher_shape: tuple[int, int, int] | None = None
 
     @property
@@ -102,30 +104,32 @@ class ModelContext:
         if shared_intermediate_size:
             tp = (0, 1) if self.a2a_backend != "none" else (p.tp_rank, p.tp_size)
             shared = GatedMLP(hidden_size, shared_intermediate_size, *tp)
-        dispatcher = self._dispatcher(num_experts, topk_config.top_k, hidden_size)
-        return SparseMoeBlock(gate, experts, topk_config, dispatcher, shared, p.attn_tp_size)
+        dispatchers = self._dispatchers(num_experts, topk_config.top_k, hidden_size)
+        return SparseMoeBlock(gate, experts, topk_config, dispatchers, shared, p.attn_tp_size)
 
-    def _dispatcher(self, num_experts: int, top_k: int, hidden_size: int) -> TokenDispatcher:
+    def _dispatchers(self, num_experts: int, top_k: int, hidden_size: int) -> list[TokenDispatcher]:
         shape = (num_experts, top_k, hidden_size)
         if self._dispatcher_shape not in (None, shape):
             raise ValueError(f"MoE layers of one model differ: {self._dispatcher_shape} vs {shape}")
         self._dispatcher_shape = shape
-        if self.dispatcher is None:
-            p, opts = self.parallel, self.options
-            self.dispatcher = create_dispatcher(
-                self.a2a_backend,
-                opts.deepep_mode,
-                groups=p.moe_ep_device_groups,
-                ep_rank=p.moe_ep_rank,
-                ep_size=p.moe_ep_size,
-                num_experts=num_experts,
-                top_k=top_k,
-                hidden_size=hidden_size,
-                dtype=torch.get_default_dtype(),  # the model's dtype while it is built
-                max_dispatch_tokens_per_rank=opts.max_dispatch_tokens_per_rank,
-                device=p.device,
+        p, opts = self.parallel, self.options
+        while len(self.dispatchers) < (2 if opts.enable_two_batch_overlap else 1):
+            self.dispatchers.append(
+                create_dispatcher(
+                    self.a2a_backend,
+                    opts.deepep_mode,
+                    groups=p.moe_ep_device_groups,
+                    ep_rank=p.moe_ep_rank,
+                    ep_size=p.moe_ep_size,
+                    num_experts=num_experts,
+                    top_k=top_k,
+                    hidden_size=hidden_size,
+                    dtype=torch.get_default_dtype(),  # the model's dtype while it is built
+                    max_dispatch_tokens_per_rank=opts.max_dispatch_tokens_per_rank,
+                    device=p.device,
+                )
             )
-        return self.dispatcher
+        return self.dispatchers
 
     def embedding(self, vocab_size: int, hidden_size: int) -> VocabParallelEmbedding:
         p = self.parallel

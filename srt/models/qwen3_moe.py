@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
+from srt.batch_overlap.operations_strategy import QWEN3_MOE
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
 from srt.layers.moe.moe_block import MoEGate
@@ -73,6 +74,8 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
+    operations_family = QWEN3_MOE
+
     def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
         p = ctx.parallel

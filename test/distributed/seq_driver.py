@@ -4,7 +4,10 @@ build for them (extend new prompts, decode every sequence), without a scheduler.
 Steps are plain data so that a multi-rank test and its single-rank reference replay the same
 script: ``("extend", prompts, logprob_start)`` adds sequences (``logprob_start``: None, or the
 first position whose input logprob is wanted), ``("decode",)`` decodes every sequence with
-fixed tokens, ``None`` is no batch (idle).
+fixed tokens, ``None`` is no batch (idle). Extends on top of cached tokens:
+``("continue", chunks)`` extends the first ``len(chunks)`` sequences by those tokens (the next
+chunk of a chunked prefill); ``("shared", [(source, prefix_len, tokens), ...])`` adds sequences
+whose first ``prefix_len`` KV slots are those of sequence ``source`` (a radix-cache hit).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ class SeqDriver:
         self.step += 1
         if action[0] == "extend":
             return self._extend(action[1], action[2])
+        if action[0] == "continue":
+            return self._continue(action[1])
+        if action[0] == "shared":
+            return self._shared(action[1])
         return self._decode(decode_tokens(self.step, len(self.rows), self.salt))
 
     def _make(self, mode, rows, lens, input_ids, positions, loc, **extra) -> ForwardBatch:
@@ -73,6 +80,45 @@ class SeqDriver:
             extend_seq_lens_cpu=list(lens),
             **extra,
         )
+
+    def _extend_on_prefix(
+        self, rows: list[int], prefixes: list[int], chunks: list[list[int]]
+    ) -> ForwardBatch:
+        r = self.runner
+        new = [len(c) for c in chunks]
+        loc = r.token_to_kv_pool_allocator.alloc(sum(new))
+        start = 0
+        for row, prefix, n in zip(rows, prefixes, new):
+            r.req_to_token_pool.write(row, prefix, loc[start : start + n])
+            start += n
+        lens = [p + n for p, n in zip(prefixes, new)]
+        return self._make(
+            ForwardMode.EXTEND,
+            rows,
+            lens,
+            [t for c in chunks for t in c],
+            [p + i for p, n in zip(prefixes, new) for i in range(n)],
+            loc,
+            extend_prefix_lens_cpu=list(prefixes),
+            extend_seq_lens_cpu=new,
+        )
+
+    def _continue(self, chunks: list[list[int]]) -> ForwardBatch:
+        k = len(chunks)
+        batch = self._extend_on_prefix(self.rows[:k], self.lens[:k], chunks)
+        self.lens[:k] = [n + len(c) for n, c in zip(self.lens[:k], chunks)]
+        return batch
+
+    def _shared(self, items: list[tuple[int, int, list[int]]]) -> ForwardBatch:
+        r = self.runner
+        rows = r.req_to_token_pool.alloc(len(items))
+        for row, (source, prefix, _) in zip(rows, items):
+            slots = r.req_to_token_pool.req_to_token[self.rows[source], :prefix]
+            r.req_to_token_pool.write(row, 0, slots.clone())
+        batch = self._extend_on_prefix(rows, [p for _, p, _ in items], [c for _, _, c in items])
+        self.rows += rows
+        self.lens += [p + len(c) for _, p, c in items]
+        return batch
 
     def _decode(self, tokens: list[int]) -> ForwardBatch:
         r = self.runner

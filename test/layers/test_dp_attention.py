@@ -62,11 +62,41 @@ IDLE, EXTEND, DECODE = (int(m) for m in (ForwardMode.IDLE, ForwardMode.EXTEND, F
 @pytest.mark.parametrize(
     "rows, attn_tp, mode, padding, buffer_len",
     [
-        ([[0, 0, 0, IDLE], [0, 0, 0, IDLE]], 1, ForwardMode.IDLE, DpPaddingMode.MAX_LEN, 0),
-        ([[7, 2, 1, EXTEND], [0, 0, 0, IDLE]], 2, ForwardMode.EXTEND, DpPaddingMode.SUM_LEN, 8),
-        ([[7, 2, 1, EXTEND], [3, 3, 0, DECODE]], 2, ForwardMode.EXTEND, DpPaddingMode.SUM_LEN, 12),
-        ([[3, 3, 0, DECODE], [2, 2, 0, DECODE]], 2, ForwardMode.DECODE, DpPaddingMode.MAX_LEN, 8),
-        ([[3, 3, 0, DECODE], [0, 0, 0, IDLE]], 1, ForwardMode.DECODE, DpPaddingMode.MAX_LEN, 6),
+        (
+            [[0, 0, 0, IDLE, 0, 0], [0, 0, 0, IDLE, 0, 0]],
+            1,
+            ForwardMode.IDLE,
+            DpPaddingMode.MAX_LEN,
+            0,
+        ),
+        (
+            [[7, 2, 1, EXTEND, 0, 0], [0, 0, 0, IDLE, 0, 0]],
+            2,
+            ForwardMode.EXTEND,
+            DpPaddingMode.SUM_LEN,
+            8,
+        ),
+        (
+            [[7, 2, 1, EXTEND, 0, 0], [3, 3, 0, DECODE, 0, 0]],
+            2,
+            ForwardMode.EXTEND,
+            DpPaddingMode.SUM_LEN,
+            12,
+        ),
+        (
+            [[3, 3, 0, DECODE, 0, 0], [2, 2, 0, DECODE, 0, 0]],
+            2,
+            ForwardMode.DECODE,
+            DpPaddingMode.MAX_LEN,
+            8,
+        ),
+        (
+            [[3, 3, 0, DECODE, 0, 0], [0, 0, 0, IDLE, 0, 0]],
+            1,
+            ForwardMode.DECODE,
+            DpPaddingMode.MAX_LEN,
+            6,
+        ),
     ],
 )
 def test_sync_info_global_mode_and_padding(rows, attn_tp, mode, padding, buffer_len):
@@ -95,7 +125,7 @@ def test_sync_on_one_rank_and_apply():
 def test_decode_follows_the_global_extend():
     batch = _batch(ForwardMode.DECODE, [5, 6])
     assert not batch.global_is_extend()
-    apply_dp_sync(batch, dp_sync_info([[2, 2, 0, DECODE], [9, 1, 1, EXTEND]], 1))
+    apply_dp_sync(batch, dp_sync_info([[2, 2, 0, DECODE, 0, 0], [9, 1, 1, EXTEND, 0, 0]], 1))
     assert batch.global_is_extend() and batch.global_num_tokens() == [2, 9]
 
 

@@ -1,12 +1,16 @@
 """A sparse MoE block (router, routed experts, optional shared experts) as layer operations.
 
 The block sees the tokens its communicator hands it (the group's own, the gathered global
-buffer, or this rank's all-to-all chunk) and moves them to the experts with its dispatcher. The
-dispatcher is not owned by the block: a model's MoE layers share one per micro-batch (its
-buffers are per exchange in flight, not per layer), so it is passed in.
+buffer, or this rank's all-to-all chunk) and moves them to the experts with a dispatcher. The
+dispatchers are not owned by the block: a model's MoE layers share one per micro-batch (its
+buffers are per exchange in flight, not per layer), so they are passed in, one per
+micro-batch. A batch picks its own by ``tbo_subbatch_index`` (two-batch overlap: A uses the
+first, B the second, so their exchanges never share buffers); an unsplit batch uses the first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +51,7 @@ class SparseMoeBlock(nn.Module):
         gate: MoEGate,
         experts: FusedMoE,
         topk_config: TopKConfig,
-        dispatcher: TokenDispatcher,
+        dispatchers: Sequence[TokenDispatcher],
         shared_experts: nn.Module | None = None,
         attn_tp_size: int = 1,
     ):
@@ -56,8 +60,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.shared_experts = shared_experts
         self.topk_config = topk_config
-        self.dispatcher = dispatcher
+        self.dispatchers = tuple(dispatchers)
         self.attn_tp_size = attn_tp_size  # each rank dispatches 1/attn_tp of its group's tokens
+
+    def dispatcher(self, state: LayerState) -> TokenDispatcher:
+        return self.dispatchers[state.batch.tbo_subbatch_index or 0]
 
     def op_gate(self, state: LayerState) -> None:
         state.put(router_logits=self.gate(state.get("mlp_input")))
@@ -72,7 +79,7 @@ class SparseMoeBlock(nn.Module):
         hidden = state.get("mlp_input") if self.shared_experts else state.pop("mlp_input")
         weights, ids = state.pop("topk_output")
         batch = state.batch
-        self.dispatcher.dispatch_a(
+        self.dispatcher(state).dispatch_a(
             hidden,
             weights,
             ids,
@@ -81,17 +88,17 @@ class SparseMoeBlock(nn.Module):
         )
 
     def op_dispatch_b(self, state: LayerState) -> None:
-        state.put(dispatch_output=self.dispatcher.dispatch_b())
+        state.put(dispatch_output=self.dispatcher(state).dispatch_b())
 
     def op_experts(self, state: LayerState) -> None:
         hidden, weights, ids = state.pop("dispatch_output")
         state.put(expert_output=self.experts(hidden, weights, ids))
 
     def op_combine_a(self, state: LayerState) -> None:
-        self.dispatcher.combine_a(state.pop("expert_output"))
+        self.dispatcher(state).combine_a(state.pop("expert_output"))
 
     def op_combine_b(self, state: LayerState) -> None:
-        state.put(routed_output=self.dispatcher.combine_b())
+        state.put(routed_output=self.dispatcher(state).combine_b())
 
     def op_shared_experts(self, state: LayerState) -> None:
         state.put(shared_output=self.shared_experts(state.pop("mlp_input")))
