@@ -35,7 +35,9 @@ def run_engine(
         engine.shutdown()
 
 
-def assert_same_outputs(ours: list[dict], reference: list[dict]) -> None:
+def assert_same_outputs(
+    ours: list[dict], reference: list[dict], tolerance: float = TOLERANCE
+) -> None:
     assert len(ours) == len(reference)
     for i, (out, ref) in enumerate(zip(ours, reference)):
         assert out["output_ids"] == ref["output_ids"], f"prompt {i}"
@@ -46,4 +48,4 @@ def assert_same_outputs(ours: list[dict], reference: list[dict]) -> None:
                 if ref_lp is None:
                     assert lp is None
                     continue
-                assert abs(lp - ref_lp) <= TOLERANCE, f"prompt {i} {key} token {token}"
+                assert abs(lp - ref_lp) <= tolerance, f"prompt {i} {key} token {token}"

@@ -1,0 +1,120 @@
+"""Two-batch overlap end to end: through ``srt.Engine`` and the HTTP server, greedy outputs and
+fp32 logprobs with TBO equal the same layout without it (1e-5), and the server's internal
+state counts the steps run split; the token thresholds decide which steps split."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_outputs import PROMPTS, assert_same_outputs, run_engine
+
+from srt.managers.io_struct import TokenizedGenerateReqInput
+from srt.managers.scheduler import Scheduler
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from server_process import running_server  # noqa: E402
+
+TOLERANCE = 1e-5
+ALWAYS = {"tbo_decode_token_threshold": 0, "tbo_prefill_token_threshold": 0}
+DP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "moe_a2a_backend": "torch"}
+CASES = {
+    "qwen3-normal": ("tiny-qwen3-moe", dict(DP2, deepep_mode="normal")),
+    "deepseek_v2-normal": ("tiny-deepseek-v2", dict(DP2, deepep_mode="normal")),
+    "deepseek_v3-low_latency": (
+        "tiny-deepseek-v3",
+        dict(DP2, deepep_mode="low_latency", max_dispatch_tokens_per_rank=64,
+             chunked_prefill_size=64, max_running_requests=32),
+    ),
+}  # fmt: skip
+# Sent twice: the second time every prompt's prefix is a radix-cache hit.
+TWICE = PROMPTS + PROMPTS
+
+
+@pytest.fixture(scope="module")
+def unsplit(tiny_models) -> dict[str, list[dict]]:
+    return {
+        case: run_engine(tiny_models[model], TWICE, **kwargs)
+        for case, (model, kwargs) in CASES.items()
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_with_tbo_equals_without(case, tiny_models, unsplit):
+    model, kwargs = CASES[case]
+    outputs, states = run_engine(
+        tiny_models[model], TWICE, with_state=True, enable_two_batch_overlap=True,
+        **ALWAYS, **kwargs,
+    )  # fmt: skip
+    assert_same_outputs(outputs, unsplit[case], TOLERANCE)
+    for state in states:
+        assert state["num_tbo_steps"].get("extend", 0) > 0, state
+        assert state["num_tbo_steps"].get("decode", 0) > 0, state
+
+
+def test_http_server_with_tbo(tiny_models, unsplit):
+    args = (
+        "--tp", "2", "--dp", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
+        "--deepep-mode", "normal", "--enable-two-batch-overlap",
+        "--tbo-decode-token-threshold", "0", "--tbo-prefill-token-threshold", "0",
+        "--dtype", "float32", "--max-total-tokens", "1024",
+    )  # fmt: skip
+    with running_server(tiny_models["tiny-qwen3-moe"], *args) as server:
+        response = httpx.post(
+            server.url + "/generate",
+            json={
+                "input_ids": TWICE,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            timeout=60.0,
+        )
+        response.raise_for_status()
+        info = httpx.get(server.url + "/get_server_info", timeout=10.0).json()
+        chat = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=60.0,
+        )
+    assert_same_outputs(response.json(), unsplit["qwen3-normal"], TOLERANCE)
+    assert all(sum(s["num_tbo_steps"].values()) > 0 for s in info["internal_states"])
+    assert chat.status_code == 200, chat.text
+
+
+def _run_scheduler(path: str, prefill_threshold: int, decode_threshold: int) -> dict:
+    """Four prompts (40 tokens) added at once: one prefill step of 40 tokens, then two decode
+    steps of 4; one rank with the torch all-to-all (EP of 1)."""
+    args = ServerArgs(
+        model_path=path, dtype="float32", max_total_tokens=256, moe_a2a_backend="torch",
+        enable_two_batch_overlap=True, tbo_prefill_token_threshold=prefill_threshold,
+        tbo_decode_token_threshold=decode_threshold,
+    )  # fmt: skip
+    scheduler = Scheduler(args)
+    for i, n in enumerate((6, 9, 12, 13)):
+        params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+        params.normalize(None)
+        ids = [(7 * i + j) % 400 + 3 for j in range(n)]
+        scheduler.add_request(TokenizedGenerateReqInput(f"r{i}", None, ids, params))
+    for _ in range(10):
+        scheduler.step()
+    assert scheduler.is_idle()
+    state = scheduler.get_internal_state()
+    return {"tbo": state["num_tbo_steps"], "plain": state["num_non_tbo_steps"]}
+
+
+@pytest.mark.parametrize(
+    "prefill_threshold, decode_threshold, expected",
+    [
+        (41, 5, {"tbo": {}, "plain": {"extend": 1, "decode": 2}}),  # both below
+        (40, 4, {"tbo": {"extend": 1, "decode": 2}, "plain": {}}),  # both at the threshold
+        (40, 5, {"tbo": {"extend": 1}, "plain": {"decode": 2}}),
+        (512, 32, {"tbo": {}, "plain": {"extend": 1, "decode": 2}}),  # the defaults
+    ],
+)
+def test_token_thresholds(qwen3_moe_path, prefill_threshold, decode_threshold, expected):
+    assert _run_scheduler(qwen3_moe_path, prefill_threshold, decode_threshold) == expected
