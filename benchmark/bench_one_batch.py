@@ -5,6 +5,19 @@ the prefill, ``generate`` for the whole) in the same process, and the ratios are
 
     python benchmark/bench_one_batch.py --model-path DIR --batch-size 1 8 32 64 \
         --input-len 256 --output-len 32 --compare-hf
+
+With ``--tp-size N`` it starts N rank processes (one gloo or nccl world on loopback); under DP
+attention every DP group runs its own batch of ``--batch-size`` sequences, so the sizes are per
+group. ``--enable-two-batch-overlap`` runs the steps split; ``--compare-overlap`` runs every
+configuration with overlap off and on, interleaved (``--repeat`` times, medians), and prints
+the speed-up and the share of the all-to-all time hidden, (T_off − T_on) / T_comm, where T_comm
+is the time the unsplit step spends in its all-to-all operations (recorded in the same run).
+``--profile DIR`` writes rank 0's operation timeline of one prefill and one decode step: a
+Chrome / Perfetto trace (``trace.json``) and a PNG of one MoE layer (``layer.png``).
+
+    python benchmark/bench_one_batch.py --model-path MID --tp 2 --dp 2 --enable-dp-attention \
+        --moe-a2a-backend torch --compare-overlap --batch-size 32 128 --input-len 4 \
+        --output-len 8 --profile /tmp/tbo
 """
 
 from __future__ import annotations
@@ -14,23 +27,34 @@ import dataclasses
 import itertools
 import json
 import logging
+import multiprocessing as mp
 import statistics
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from srt.batch_overlap.operations import OperationObserver
+from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
+from srt.managers.scheduler_process import init_rank_parallel_state
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from srt.utils.ipc import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_timeline import comm_seconds, plot_layer, write_chrome_trace  # noqa: E402
 
 
-def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int):
+def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int, parallel=None):
     args = dataclasses.replace(
         server_args, max_total_tokens=max(max_tokens, 16), max_running_requests=max_batch_size
     )
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, parallel=parallel)
     cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device)
     ctx = BatchContext(
         runner.req_to_token_pool,
@@ -46,8 +70,9 @@ def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -
     reqs = []
     for i, ids in enumerate(input_ids):
         # min_new_tokens masks EOS exactly as HF generate's min_new_tokens does.
-        params = SamplingParams(max_new_tokens=output_len, min_new_tokens=output_len,
-                                temperature=0, ignore_eos=True)
+        params = SamplingParams(
+            max_new_tokens=output_len, min_new_tokens=output_len, temperature=0, ignore_eos=True
+        )
         params.normalize(None)
         req = Req(str(i), ids, params)
         req.init_next_round_input(ctx.tree_cache)
@@ -57,21 +82,32 @@ def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -
 
 def step(runner: ModelRunner, batch: ScheduleBatch) -> list[int]:
     forward_batch = batch.to_forward_batch(runner)
+    if runner.parallel.attn_dp_size > 1:  # the scheduler's MLP sync (every group has work)
+        runner.plan_two_batch_overlap(forward_batch)
+        apply_dp_sync(forward_batch, sync_dp_batch(runner.parallel, forward_batch))
     next_ids = runner.sample(runner.forward(forward_batch), forward_batch).tolist()
     for req, tok in zip(batch.reqs, next_ids):
         req.output_ids.append(tok)
     return next_ids
 
 
-def run_once(runner, ctx, input_ids: list[list[int]], output_len: int, verbose: bool) -> dict:
+def run_once(
+    runner, ctx, input_ids: list[list[int]], output_len: int, verbose: bool, observer=None
+) -> dict:
+    """With an ``observer`` (recording) the result holds the operation events of the prefill
+    step and of the first decode step."""
     ctx.req_to_token_pool.clear()
     ctx.allocator.clear()
     batch_size, input_len = len(input_ids), len(input_ids[0])
     batch = make_batch(ctx, input_ids, output_len)
+    runner.set_operation_observer(observer)
+    events = {}
     start = time.perf_counter()
     batch.prepare_for_extend()
     step(runner, batch)
     prefill = time.perf_counter() - start
+    if observer is not None:
+        events["prefill"], observer.events = observer.events, []
     report(
         verbose,
         f"Prefill. latency: {prefill:6.5f} s, "
@@ -83,6 +119,8 @@ def run_once(runner, ctx, input_ids: list[list[int]], output_len: int, verbose: 
         batch.prepare_for_decode()
         step(runner, batch)
         decode.append(time.perf_counter() - t)
+        if observer is not None and i == 0:
+            events["decode"], observer.events = observer.events, []
         if i < 5:
             report(
                 verbose,
@@ -90,6 +128,7 @@ def run_once(runner, ctx, input_ids: list[list[int]], output_len: int, verbose: 
                 f" throughput: {batch_size / decode[-1]:9.2f} token/s",
             )
     total = time.perf_counter() - start
+    runner.set_operation_observer(None)
     med = statistics.median(decode) if decode else float("nan")
     report(
         verbose,
@@ -106,6 +145,7 @@ def run_once(runner, ctx, input_ids: list[list[int]], output_len: int, verbose: 
         "median_decode_latency": med,
         "total_latency": total,
         "output_ids": [r.output_ids for r in batch.reqs],
+        "events": events,
     }
 
 
@@ -153,8 +193,20 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     parser.add_argument(
         "--compare-hf", action="store_true", help="also run the same batch through HF transformers"
     )
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="run every configuration with two-batch overlap off and on (needs a layout that "
+        "allows it, see --enable-two-batch-overlap)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per configuration")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write timelines here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.compare_overlap:
+        args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
+    if args.compare_hf and args.tp_size > 1:
+        parser.error("--compare-hf runs on one rank (--tp-size 1)")
     return args, ServerArgs.from_cli_args(args)
 
 
@@ -181,34 +233,134 @@ def compare_with_hf(hf_model, inputs: list[list[int]], output_len: int, ours: di
     }
 
 
-def main() -> None:
-    args, server_args = parse_args()
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()))
+def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, init) -> None:
+    """One rank's whole benchmark; rank 0 prints and writes the results."""
+    parallel = None
+    if server_args.tp_size > 1:
+        parallel = init_rank_parallel_state(server_args, init, rank)
+    verbose = rank == 0
     configs = list(itertools.product(args.batch_size, args.input_len, args.output_len))
     max_tokens = max(b * (i + o) for b, i, o in configs)
-    runner, ctx = make_runner(server_args, max(args.batch_size), max_tokens)
+    variants = {"": server_args}
+    if args.compare_overlap:
+        off = dataclasses.replace(server_args, enable_two_batch_overlap=False)
+        variants = {"tbo_off": off, "tbo_on": server_args}
+    runners = {
+        label: make_runner(sa, max(args.batch_size), max_tokens, parallel)
+        for label, sa in variants.items()
+    }
+    any_runner = next(iter(runners.values()))[0]
     hf_model = None
     if args.compare_hf:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
-            server_args.model_path, dtype=runner.model_config.dtype
+            server_args.model_path, dtype=any_runner.model_config.dtype
         ).eval()
-    vocab = runner.model_config.vocab_size
+    vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
     for batch_size, input_len, output_len in configs:
-        inputs = random_inputs(vocab, batch_size, input_len, args.seed)
-        print(
-            f"Warmup ...\nBenchmark: batch size {batch_size}, input len {input_len}, "
-            f"output len {output_len}"
+        inputs = random_inputs(vocab, batch_size, input_len, args.seed + group)
+        report(
+            verbose,
+            f"Warmup ...\nBenchmark: batch size {batch_size} (per DP group), "
+            f"input len {input_len}, output len {output_len}",
         )
-        run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
-        result = run_once(runner, ctx, inputs, output_len, verbose=True)
+        results = {}
+        for runner, ctx in runners.values():
+            run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
+        for _ in range(args.repeat):
+            for label, (runner, ctx) in runners.items():
+                report(verbose and label != "", f"[{label}]")
+                results.setdefault(label, []).append(
+                    run_once(runner, ctx, inputs, output_len, verbose=verbose)
+                )
+        summary = {label: _median_result(runs) for label, runs in results.items()}
+        if args.profile or args.compare_overlap:
+            summary = _profile(args, runners, inputs, summary, verbose, (batch_size, input_len))
         if hf_model is not None:
-            result |= compare_with_hf(hf_model, inputs, output_len, result)
-        result.pop("output_ids")
-        if args.result_filename:
+            summary[""] |= compare_with_hf(hf_model, inputs, output_len, summary[""])
+        if verbose and args.result_filename:
             with open(args.result_filename, "a") as f:
-                f.write(json.dumps({"run_name": args.run_name, **result}) + "\n")
+                for label, result in summary.items():
+                    skip = ("output_ids", "events")
+                    result = {k: v for k, v in result.items() if k not in skip}
+                    tags = {
+                        "run_name": args.run_name,
+                        "variant": label or None,
+                        "tp_size": server_args.tp_size,
+                        "dp_size": server_args.dp_size,
+                    }
+                    f.write(json.dumps(tags | result) + "\n")
+
+
+def _median_result(runs: list[dict]) -> dict:
+    out = dict(runs[0])
+    for key in ("prefill_latency", "median_decode_latency", "total_latency"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def _profile(args, runners, inputs, summary: dict, verbose: bool, shape) -> dict:
+    """One recorded run per variant: T_comm of the unsplit steps, the hidden share, the
+    timelines."""
+    steps = {}
+    for label, (runner, ctx) in runners.items():
+        events = run_once(runner, ctx, inputs, 2, False, OperationObserver(record=True))["events"]
+        for kind, evs in events.items():
+            steps[f"{label or 'run'} {kind}"] = evs
+            summary[label][f"{kind}_comm_seconds"] = comm_seconds(evs)
+    if args.compare_overlap:
+        off, on = summary["tbo_off"], summary["tbo_on"]
+        for kind, key in (("prefill", "prefill_latency"), ("decode", "median_decode_latency")):
+            comm = off[f"{kind}_comm_seconds"]
+            on[f"{kind}_speedup"] = off[key] / on[key]
+            on[f"{kind}_hidden_fraction"] = (off[key] - on[key]) / comm if comm else float("nan")
+            report(
+                verbose,
+                f"TBO {kind}: off {off[key] * 1e3:8.2f} ms, on {on[key] * 1e3:8.2f} "
+                f"ms, speed-up {on[f'{kind}_speedup']:5.3f}x, T_comm {comm * 1e3:7.2f} ms, "
+                f"hidden {on[f'{kind}_hidden_fraction']:6.1%}",
+            )
+    if args.profile and verbose:
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = f"b{shape[0]}_i{shape[1]}"
+        write_chrome_trace(out / f"trace_{tag}.json", steps)
+        model = next(iter(runners.values()))[0].model.model
+        middle = model.tbo_start_layer + (len(model.layers) - model.tbo_start_layer) // 2
+        plot_layer(out / f"layer_{tag}.png", steps, middle)
+        report(verbose, f"Timelines: {out}/trace_{tag}.json, {out}/layer_{tag}.png")
+    return summary
+
+
+def main() -> None:
+    args, server_args = parse_args()
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()))
+    if server_args.tp_size == 1:
+        bench_rank(0, args, server_args, None)
+        return
+    port = free_port()
+    init = SimpleNamespace(dist_init_method=f"tcp://127.0.0.1:{port}", dist_init_host="127.0.0.1")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=bench_rank, args=(rank, args, server_args, init))
+        for rank in range(server_args.tp_size)
+    ]
+    for p in procs:
+        p.start()
+    failed = False
+    while procs:
+        for p in list(procs):
+            p.join(timeout=0.2)
+            if p.exitcode is None:
+                continue
+            procs.remove(p)
+            if p.exitcode != 0 and not failed:
+                failed = True
+                print(f"bench_one_batch: a rank exited with {p.exitcode}", file=sys.stderr)
+                for other in procs:
+                    other.terminate()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -67,10 +67,11 @@ class YieldOperation:
 
 @dataclass(frozen=True)
 class ExecutionOperation:
-    """One operation with its name (for profiles and error messages)."""
+    """One operation with its name and layer (for profiles and error messages)."""
 
     name: str
     fn: Operation
+    layer_id: int | None = None
 
     def __call__(self, state: LayerState) -> None:
         self.fn(state)
@@ -82,19 +83,27 @@ OperationItem = ExecutionOperation | YieldOperation
 class OperationObserver:
     """Watches every operation an executor runs: wraps it in a ``torch.profiler``
     ``record_function`` marker (``--enable-operation-profile``), and, with ``record`` on,
-    keeps ``(track, name, start_s, end_s)`` for a timeline (``track``: "plain", or "A" / "B"
-    for the micro-batches)."""
+    keeps an :class:`OpEvent` per run for a timeline."""
 
     def __init__(self, record: bool = False):
         self.record = record
-        self.events: list[tuple[str, str, float, float]] = []
+        self.events: list[OpEvent] = []
 
     def run(self, op: ExecutionOperation, state: LayerState, track: str) -> None:
         start = time.perf_counter()
-        with torch.profiler.record_function(f"{track}:{op.name}"):
+        with torch.profiler.record_function(f"{track}:L{op.layer_id}:{op.name}"):
             op(state)
         if self.record:
-            self.events.append((track, op.name, start, time.perf_counter()))
+            self.events.append(OpEvent(track, op.layer_id, op.name, start, time.perf_counter()))
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    track: str  # "plain", or "A" / "B" for the micro-batches of two-batch overlap
+    layer_id: int | None
+    name: str
+    start: float  # time.perf_counter() seconds
+    end: float
 
 
 def to_stages(operations: Sequence[OperationItem]) -> list[list[ExecutionOperation]]:

@@ -117,5 +117,5 @@ def layer_operations(layer: MoEDecoderLayer, forward_mode: ForwardMode) -> Opera
         if isinstance(name, YieldOperation):
             ops.append(name)
         elif name != "shared_experts" or layer.has_shared_experts:
-            ops.append(ExecutionOperation(name, layer.operation(name)))
+            ops.append(ExecutionOperation(name, layer.operation(name), layer.layer_id))
     return OperationsStrategy(ops, delta if layer.is_moe else None)

@@ -41,6 +41,7 @@ class MoEDecoderLayer(nn.Module):
     self_attn: nn.Module
     mlp: nn.Module
     operations_family: OperationsFamily  # set by each model's layer class
+    layer_id: int
 
     def _init_norms(self, hidden_size: int, eps: float, ctx: ModelContext) -> None:
         self.input_layernorm = RMSNorm(hidden_size, eps=eps)

@@ -129,6 +129,7 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
 
     def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
+        self.layer_id = layer_id
         p = ctx.parallel
         self.self_attn = DeepseekV2MLA(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
         h = config.hidden_size

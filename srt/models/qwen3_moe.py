@@ -78,6 +78,7 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
 
     def __init__(self, config, layer_id: int, ctx: ModelContext):
         super().__init__()
+        self.layer_id = layer_id
         p = ctx.parallel
         self.self_attn = Qwen3MoeAttention(config, layer_id, p.attn_tp_rank, p.attn_tp_size)
         h = config.hidden_size

@@ -82,10 +82,10 @@ def test_state_is_checked():
 def test_observer_records_every_operation_per_micro_batch():
     log, observer = [], OperationObserver(record=True)
     execute_overlapped_operations(_state("A"), _state("B"), _ops(log, "x | y"), 0, observer)
-    assert [(track, name) for track, name, _, _ in observer.events] == [
+    assert [(e.track, e.name) for e in observer.events] == [
         ("A", "x"), ("B", "x"), ("A", "y"), ("B", "y"),
     ]  # fmt: skip
-    assert all(end >= start for _, _, start, end in observer.events)
+    assert all(e.end >= e.start for e in observer.events)
 
 
 def _names(ops) -> str:
