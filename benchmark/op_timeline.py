@@ -103,7 +103,9 @@ def plot_layer(path: Path, steps: dict[str, list[OpEvent]], layer_id: int) -> No
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(f"--profile needs matplotlib for the PNG timeline: {e}") from e
+        raise SystemExit(
+            f"--profile needs matplotlib for the PNG timeline ({e}): pip install -e '.[bench]'"
+        ) from e
     fig, axes = plt.subplots(len(steps), 1, figsize=(13, 2.6 * len(steps)), squeeze=False)
     colors = plt.get_cmap("tab20").colors
     for ax, (label, events) in zip(axes[:, 0], steps.items()):
