@@ -8,10 +8,11 @@ the prefill, ``generate`` for the whole) in the same process, and the ratios are
 
 With ``--tp-size N`` it starts N rank processes (one gloo or nccl world on loopback); under DP
 attention every DP group runs its own batch of ``--batch-size`` sequences, so the sizes are per
-group. ``--enable-two-batch-overlap`` runs the steps split; ``--compare-overlap`` runs every
-configuration with overlap off and on, interleaved (``--repeat`` times, medians), and prints
-the speed-up and the share of the all-to-all time hidden, (T_off − T_on) / T_comm, where T_comm
-is the time the unsplit step spends in its all-to-all operations (recorded in the same run).
+group. ``--enable-two-batch-overlap`` runs the steps split, ``--enable-single-batch-overlap``
+with the blocked combine; ``--compare-overlap`` runs every configuration with that overlap (TBO
+unless SBO is given) off and on, interleaved (``--repeat`` times, medians), and prints the
+speed-up and the share of the all-to-all time hidden, (T_off − T_on) / T_comm, where T_comm is
+the time the plain step spends in its all-to-all operations (recorded in the same run).
 ``--profile DIR`` writes rank 0's operation timeline of one prefill and one decode step: a
 Chrome / Perfetto trace (``trace.json``) and a PNG of one MoE layer (``layer.png``).
 
@@ -203,7 +204,7 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     parser.add_argument("--profile", default=None, metavar="DIR", help="write timelines here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.compare_overlap:
+    if args.compare_overlap and not args.enable_single_batch_overlap:
         args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
     if args.compare_hf and args.tp_size > 1:
         parser.error("--compare-hf runs on one rank (--tp-size 1)")
@@ -243,8 +244,14 @@ def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, ini
     max_tokens = max(b * (i + o) for b, i, o in configs)
     variants = {"": server_args}
     if args.compare_overlap:
-        off = dataclasses.replace(server_args, enable_two_batch_overlap=False)
-        variants = {"tbo_off": off, "tbo_on": server_args}
+        kind = "sbo" if server_args.enable_single_batch_overlap else "tbo"
+        off = dataclasses.replace(
+            server_args,
+            enable_two_batch_overlap=False,
+            enable_single_batch_overlap=False,
+            sbo_num_blocks=None,
+        )
+        variants = {f"{kind}_off": off, f"{kind}_on": server_args}
     runners = {
         label: make_runner(sa, max(args.batch_size), max_tokens, parallel)
         for label, sa in variants.items()
@@ -310,14 +317,14 @@ def _profile(args, runners, inputs, summary: dict, verbose: bool, shape) -> dict
             steps[f"{label or 'run'} {kind}"] = evs
             summary[label][f"{kind}_comm_seconds"] = comm_seconds(evs)
     if args.compare_overlap:
-        off, on = summary["tbo_off"], summary["tbo_on"]
+        (name, off), (_, on) = [(label[:3].upper(), summary[label]) for label in runners]
         for kind, key in (("prefill", "prefill_latency"), ("decode", "median_decode_latency")):
             comm = off[f"{kind}_comm_seconds"]
             on[f"{kind}_speedup"] = off[key] / on[key]
             on[f"{kind}_hidden_fraction"] = (off[key] - on[key]) / comm if comm else float("nan")
             report(
                 verbose,
-                f"TBO {kind}: off {off[key] * 1e3:8.2f} ms, on {on[key] * 1e3:8.2f} "
+                f"{name} {kind}: off {off[key] * 1e3:8.2f} ms, on {on[key] * 1e3:8.2f} "
                 f"ms, speed-up {on[f'{kind}_speedup']:5.3f}x, T_comm {comm * 1e3:7.2f} ms, "
                 f"hidden {on[f'{kind}_hidden_fraction']:6.1%}",
             )

@@ -215,6 +215,23 @@ class ServerArgs:
             "overlap", "Prefill batches under this many tokens (per DP group) run unsplit; 0: all."
         ),
     )
+    enable_single_batch_overlap: bool = field(
+        default=False,
+        metadata=_arg(
+            "overlap",
+            "Inside one batch, launch the MoE combine block by block as the experts' "
+            "down-projections finish, and run shared experts while the dispatch is in flight. "
+            "Needs --moe-a2a-backend torch --deepep-mode normal; excludes two-batch overlap.",
+        ),
+    )
+    sbo_num_blocks: int | None = field(
+        default=None,
+        metadata=_arg(
+            "overlap",
+            "Blocks of local experts for --enable-single-batch-overlap's combine; default: "
+            "min(4, local experts).",
+        ),
+    )
     enable_operation_profile: bool = field(
         default=False,
         metadata=_arg(
@@ -365,6 +382,29 @@ class ServerArgs:
             raise ValueError(
                 "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
                 "torch (or deepep), or --enable-dp-attention"
+            )
+        self._check_single_batch_overlap()
+
+    def _check_single_batch_overlap(self) -> None:
+        if self.sbo_num_blocks is not None and self.sbo_num_blocks < 1:
+            raise ValueError(f"--sbo-num-blocks {self.sbo_num_blocks}: must be ≥ 1")
+        if not self.enable_single_batch_overlap:
+            if self.sbo_num_blocks is not None:
+                raise ValueError("--sbo-num-blocks needs --enable-single-batch-overlap")
+            return
+        if self.enable_two_batch_overlap:
+            raise ValueError(
+                "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
+                "other: choose one"
+            )
+        if self.moe_a2a_backend == "none":
+            raise ValueError(
+                "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"
+            )
+        if self.moe_a2a_backend == "torch" and self.deepep_mode != "normal":
+            raise ValueError(
+                "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "
+                f"normal (got {self.deepep_mode}); set --deepep-mode normal"
             )
 
     def _check_low_latency_capacity(self) -> None:

@@ -336,9 +336,13 @@ class Scheduler:
         }
 
     def _overlap_step_counts(self) -> dict:
-        """Forwards run with and without two-batch overlap, by local forward mode."""
+        """Forwards run with and without two-batch overlap, and with single-batch overlap, by
+        local forward mode."""
         counts = getattr(self.model_runner, "forward_step_counts", {})
-        by_mode = {True: {}, False: {}}
-        for (tbo, mode), n in sorted(counts.items()):
-            by_mode[tbo][mode] = n
-        return {"num_tbo_steps": by_mode[True], "num_non_tbo_steps": by_mode[False]}
+        out = {"num_tbo_steps": {}, "num_non_tbo_steps": {}, "num_sbo_steps": {}}
+        for (tbo, sbo, mode), n in sorted(counts.items()):
+            by_tbo = out["num_tbo_steps" if tbo else "num_non_tbo_steps"]
+            by_tbo[mode] = by_tbo.get(mode, 0) + n
+            if sbo:
+                out["num_sbo_steps"][mode] = out["num_sbo_steps"].get(mode, 0) + n
+        return out

@@ -79,8 +79,9 @@ class ModelRunner:
             else TorchNativeAttnBackend()
         )
         self.sampler = Sampler(server_args.random_seed)
-        # forwards run, by (split in two micro-batches?, local forward mode name)
-        self.forward_step_counts: Counter[tuple[bool, str]] = Counter()
+        # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
+        self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
+        self.sbo = server_args.enable_single_batch_overlap
         self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
@@ -155,7 +156,7 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode.name.lower()
-        self.forward_step_counts[(forward_batch.can_run_tbo, mode)] += 1
+        self.forward_step_counts[(forward_batch.can_run_tbo, self.sbo, mode)] += 1
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:

@@ -49,6 +49,7 @@ class MoEDecoderLayer(nn.Module):
         self.comm = ctx.communicator(
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
+        self.sbo_flags = ctx.options.sbo_flags
 
     @property
     def is_moe(self) -> bool:
@@ -80,7 +81,7 @@ class MoEDecoderLayer(nn.Module):
         return op
 
     def get_operations(self, forward_mode: ForwardMode) -> list[OperationItem]:
-        return layer_operations(self, forward_mode).operations
+        return layer_operations(self, forward_mode, self.sbo_flags).operations
 
     def forward(
         self,

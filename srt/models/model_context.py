@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.batch_overlap.single_batch_overlap import SboFlags, default_num_blocks
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.communicator import LayerCommunicator, MlpMode
 from srt.layers.dp_attention import DpRowsGather
@@ -42,6 +43,8 @@ class ModelOptions:
     max_dispatch_tokens_per_rank: int = 128
     enable_dp_lm_head: bool = False
     enable_two_batch_overlap: bool = False
+    enable_single_batch_overlap: bool = False
+    sbo_num_blocks: int | None = None  # None: default_num_blocks(local experts)
 
     @classmethod
     def from_server_args(cls, server_args) -> ModelOptions:
@@ -50,7 +53,13 @@ class ModelOptions:
             server_args.max_dispatch_tokens_per_rank,
             server_args.enable_dp_lm_head,
             server_args.enable_two_batch_overlap,
+            server_args.enable_single_batch_overlap,
+            server_args.sbo_num_blocks,
         )
+
+    @property
+    def sbo_flags(self) -> SboFlags:
+        return SboFlags.from_options(self.enable_single_batch_overlap)
 
 
 class ModelContext:
@@ -113,6 +122,9 @@ class ModelContext:
             raise ValueError(f"MoE layers of one model differ: {self._dispatcher_shape} vs {shape}")
         self._dispatcher_shape = shape
         p, opts = self.parallel, self.options
+        sbo_blocks = None
+        if opts.enable_single_batch_overlap:
+            sbo_blocks = opts.sbo_num_blocks or default_num_blocks(num_experts // p.moe_ep_size)
         while len(self.dispatchers) < (2 if opts.enable_two_batch_overlap else 1):
             self.dispatchers.append(
                 create_dispatcher(
@@ -127,6 +139,7 @@ class ModelContext:
                     dtype=torch.get_default_dtype(),  # the model's dtype while it is built
                     max_dispatch_tokens_per_rank=opts.max_dispatch_tokens_per_rank,
                     device=p.device,
+                    sbo_num_blocks=sbo_blocks,
                 )
             )
         return self.dispatchers

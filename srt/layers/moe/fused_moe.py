@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
 from srt.layers.linear import copy_checked
 
 
@@ -85,6 +86,43 @@ class FusedMoE(nn.Module):
                 slots[sel] = self._expert(e, hidden_states[sel // top_k])
         weights = topk_weights.to(hidden_states.dtype).unsqueeze(-1)  # [T, topk, 1]
         return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
+
+    # ---------------------------------------------------------------- single-batch overlap
+    def up_project_blocks(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        args: DownGemmOverlapArgs,
+    ) -> list[tuple]:
+        """SBO, first half: the gated up-projection of every (row, slot) pair of every block,
+        grouped by expert; ``down_project_block`` finishes one block at a time."""
+        blocks = []
+        for rows, slots in zip(args.pair_rows, args.pair_slots):
+            local = topk_ids[rows, slots].long() - self.start
+            order = torch.argsort(local, stable=True)
+            counts = torch.bincount(local, minlength=self.num_local_experts).tolist()
+            x, acts, begin = hidden_states[rows[order]], [], 0
+            for e, n in enumerate(counts):
+                if n:
+                    gate_up = F.linear(x[begin : begin + n], self.w13_weight[e])
+                    i = self.intermediate_size
+                    acts.append((e, F.silu(gate_up[:, :i]) * gate_up[:, i:]))
+                begin += n
+            weights = topk_weights[rows, slots][order].to(hidden_states.dtype).unsqueeze(-1)
+            blocks.append((order, acts, weights))
+        return blocks
+
+    def down_project_block(self, blocks: list[tuple], index: int, hidden_size: int):
+        """SBO, second half for block ``index``: its pairs' weighted outputs ``[P, H]`` in the
+        block's pair order (the order its combine sends them)."""
+        order, acts, weights = blocks[index]
+        if not acts:
+            return weights.new_zeros(0, hidden_size)
+        out_sorted = torch.cat([F.linear(a, self.w2_weight[e]) for e, a in acts]) * weights
+        out = torch.empty_like(out_sorted)
+        out[order] = out_sorted
+        return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.w13_weight[e])

@@ -91,11 +91,24 @@ class SparseMoeBlock(nn.Module):
         state.put(dispatch_output=self.dispatcher(state).dispatch_b())
 
     def op_experts(self, state: LayerState) -> None:
+        """With single-batch overlap only the up-projections: the down-projections run block
+        by block in ``op_combine_a``, each block's combine launched as it ends."""
         hidden, weights, ids = state.pop("dispatch_output")
-        state.put(expert_output=self.experts(hidden, weights, ids))
+        args = getattr(self.dispatcher(state), "overlap_args", None)
+        if args is None:
+            state.put(expert_output=self.experts(hidden, weights, ids))
+            return
+        blocks = self.experts.up_project_blocks(hidden, weights, ids, args)
+        state.put(expert_output=_BlockedExperts(blocks, hidden.shape[1]))
 
     def op_combine_a(self, state: LayerState) -> None:
-        self.dispatcher(state).combine_a(state.pop("expert_output"))
+        dispatcher, out = self.dispatcher(state), state.pop("expert_output")
+        if not isinstance(out, _BlockedExperts):
+            dispatcher.combine_a(out)
+            return
+        for index in range(len(out.blocks)):
+            rows = self.experts.down_project_block(out.blocks, index, out.hidden_size)
+            dispatcher.combine_a_block(index, rows)
 
     def op_combine_b(self, state: LayerState) -> None:
         state.put(routed_output=self.dispatcher(state).combine_b())
@@ -108,3 +121,10 @@ class SparseMoeBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + state.pop("shared_output")
         state.put(mlp_output=out)
+
+
+class _BlockedExperts:
+    """Single-batch overlap: the up-projected pairs of every block, awaiting their down GEMM."""
+
+    def __init__(self, blocks: list[tuple], hidden_size: int):
+        self.blocks, self.hidden_size = blocks, hidden_size

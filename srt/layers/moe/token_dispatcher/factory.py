@@ -34,10 +34,12 @@ def create_dispatcher(
     max_dispatch_tokens_per_rank: int = 128,
     device: torch.device | str = "cpu",
     duplex_min_bytes: int = DUPLEX_MIN_BYTES,
+    sbo_num_blocks: int | None = None,
 ) -> TokenDispatcher:
     """``groups``: the EP process group, or two over the same ranks for full duplex on gloo,
     used for exchanges whose largest link carries ≥ ``duplex_min_bytes`` (see ``torch_a2a``).
-    Everything but ``backend`` and ``deepep_mode`` is ignored for ``none``."""
+    ``sbo_num_blocks``: single-batch overlap's blocked combine (normal mode only). Everything
+    but ``backend`` and ``deepep_mode`` is ignored for ``none``."""
     if deepep_mode not in DEEPEP_MODES:
         raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODES}")
     if backend == "none":
@@ -48,7 +50,12 @@ def create_dispatcher(
     if backend != "torch":
         raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
-    normal = lambda: TorchA2ANormalDispatcher(*common, duplex_min_bytes)
+    normal = lambda: TorchA2ANormalDispatcher(*common, duplex_min_bytes, sbo_num_blocks)
+    if sbo_num_blocks and deepep_mode != "normal":
+        raise ValueError(
+            "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "
+            f"normal, not {deepep_mode}"
+        )
     if deepep_mode == "normal":
         return normal()
     low_latency = TorchA2ALowLatencyDispatcher(

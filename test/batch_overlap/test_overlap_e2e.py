@@ -1,6 +1,7 @@
-"""Two-batch overlap end to end: through ``srt.Engine`` and the HTTP server, greedy outputs and
-fp32 logprobs with TBO equal the same layout without it (1e-5), and the server's internal
-state counts the steps run split; the token thresholds decide which steps split."""
+"""Two- and single-batch overlap end to end: through ``srt.Engine`` and the HTTP server, greedy
+outputs and fp32 logprobs with TBO (or SBO) equal the same layout without it (1e-5), and the
+server's internal state counts the steps run with it; the token thresholds decide which steps
+split."""
 
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def test_engine_with_tbo_equals_without(case, tiny_models, unsplit):
     for state in states:
         assert state["num_tbo_steps"].get("extend", 0) > 0, state
         assert state["num_tbo_steps"].get("decode", 0) > 0, state
+
+
+def test_engine_with_sbo_equals_without(tiny_models, unsplit):
+    model, kwargs = CASES["qwen3-normal"]
+    outputs, states = run_engine(
+        tiny_models[model], TWICE, with_state=True, enable_single_batch_overlap=True, **kwargs
+    )
+    assert_same_outputs(outputs, unsplit["qwen3-normal"], TOLERANCE)
+    for state in states:
+        assert state["num_sbo_steps"].get("extend", 0) > 0, state
+        assert state["num_sbo_steps"].get("decode", 0) > 0, state
+        assert state["num_tbo_steps"] == {}, state
 
 
 def test_http_server_with_tbo(tiny_models, unsplit):

@@ -1,0 +1,71 @@
+"""The script the overlap exactness tests replay on every rank, once per variant (overlap off
+and on), as the scheduler runs it: the TBO proposal, the MLP sync, then a forward or an idle
+forward. Built on SeqDriver (test/distributed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from seq_driver import SeqDriver
+
+from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
+from srt.model_executor.model_runner import ModelRunner
+
+TOLERANCE = 1e-5
+MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3")
+LONG = list(range(20, 60))
+# One column per DP group (group d runs column d % 2); None: the group has no batch.
+SCRIPT = [
+    [("extend", [[5, 77, 300, 12, 9], [44, 45, 46, 200, 310, 17, 8, 90], [101, 3, 4]], None),
+     ("extend", [[7, 8, 9, 10, 11, 12], [250, 90, 71, 6, 33]], 2)],  # input logprobs
+    [("decode",), ("decode",)],
+    [("decode",), None],  # group 1 idle: it runs an empty batch split in two
+    [("continue", [[60, 61, 62, 63, 64, 65, 66], [70, 71, 72]]),
+     ("continue", [[80, 81], [82, 83, 84, 85]])],  # next chunks of chunked prefills
+    [("shared", [(0, 4, [90, 91, 92, 93]), (1, 6, [94, 95])]),
+     ("shared", [(1, 3, [96, 97, 98]), (0, 5, [99])])],  # radix-cache hits
+    [("extend", [[1, 2, 3], LONG, [4, 5]], None),
+     ("extend", [LONG[:30], [6, 7]], None)],  # two-chunk: the long prompt is cut
+    [("decode",), ("extend", [[8, 9, 10]], None)],  # modes differ: nobody splits
+    [("decode",), ("decode",)],
+]  # fmt: skip
+
+
+def logprobs(out) -> tuple:
+    extra = out.input_token_logits
+    extra = None if extra is None else torch.log_softmax(extra, -1).numpy()
+    return torch.log_softmax(out.next_token_logits, -1).numpy(), extra
+
+
+def run_script(runner: ModelRunner, dp: int) -> tuple[list, list[bool]]:
+    """This rank's group's column; → (per step of its own: log-probs; per step run: split?)."""
+    parallel = runner.parallel
+    group = parallel.attn_dp_rank
+    driver, results, split = SeqDriver(runner, salt=group), [], []
+    for step in SCRIPT:
+        action = step[group % 2]
+        batch = driver.batch(action) if action else None
+        if dp > 1:
+            if batch is not None:
+                runner.plan_two_batch_overlap(batch)
+            info = sync_dp_batch(parallel, batch)
+            if batch is None:
+                assert runner.forward_idle(info).next_token_logits.shape[0] == 0
+                split.append(info.can_run_tbo)
+                continue
+            apply_dp_sync(batch, info)
+        results.append(logprobs(runner.forward(batch)))
+        split.append(batch.can_run_tbo)
+    return results, split
+
+
+def assert_same(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        for name, a, b in (("next", g[0], w[0]), ("input", g[1], w[1])):
+            assert (a is None) == (b is None), f"{what} step {i} {name}"
+            if b is None:
+                continue
+            diff = float(np.abs(a - b).max(initial=0.0))
+            assert diff <= TOLERANCE, f"{what} step {i} {name} logprobs: max diff {diff:.2e}"
+        assert (g[0].argmax(-1) == w[0].argmax(-1)).all(), f"{what} step {i}: greedy differs"

@@ -1,0 +1,90 @@
+"""Single-batch overlap without a model: the block partition, the blocked-combine layout
+(``compute_overlap_args``) against a brute-force reading of the same routing, and the flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.batch_overlap.single_batch_overlap import (
+    SboFlags,
+    compute_overlap_args,
+    default_num_blocks,
+    partition_blocks,
+)
+from srt.server_args import ServerArgs
+
+
+@pytest.mark.parametrize(
+    "experts, blocks, expected",
+    [
+        (8, 4, [0, 0, 1, 1, 2, 2, 3, 3]),
+        (5, 2, [0, 0, 0, 1, 1]),
+        (2, 3, [0, 1]),  # more blocks than experts: block 2 is empty
+        (4, 1, [0, 0, 0, 0]),
+    ],
+)
+def test_partition_is_contiguous_and_near_equal(experts, blocks, expected):
+    assert partition_blocks(experts, blocks).tolist() == expected
+
+
+def test_default_blocks_and_bad_count():
+    assert [default_num_blocks(n) for n in (1, 2, 4, 16)] == [1, 2, 4, 4]
+    with pytest.raises(ValueError, match="--sbo-num-blocks"):
+        partition_blocks(4, 0)
+
+
+def test_overlap_args_match_the_routing():
+    """Two ranks × 4 local experts, 2 blocks. From rank 0's point of view: it sends its 5
+    tokens' choices and receives rows from ranks 0 and 1 (ids masked to its experts)."""
+    ep_size, local, blocks = 2, 4, 2
+    sent = torch.tensor([[0, 5], [7, 2], [4, 6], [1, 3], [5, 4]])
+    # rows rank 0 receives: from itself its tokens 0, 1, 3 (masked to experts 0..3), from rank 1
+    # two rows
+    recv = torch.tensor([[0, -1], [-1, 2], [1, 3], [3, -1], [2, 0]])
+    combine, down = compute_overlap_args(blocks, local, 0, ep_size, sent, recv, [3, 2])
+    # receiver: block 0 = experts {0, 1}, block 1 = {2, 3}; pairs row-major
+    assert down.pair_rows[0].tolist() == [0, 2, 4] and down.pair_slots[0].tolist() == [0, 0, 1]
+    assert down.pair_rows[1].tolist() == [1, 2, 3, 4]
+    assert down.pair_slots[1].tolist() == [1, 1, 0, 0]
+    assert down.send_splits == [[2, 1], [2, 2]]
+    # sender: by destination rank, then token, then slot; block b of rank d = experts of
+    # local index in b's range
+    assert combine.recv_splits == [[2, 4], [2, 2]]
+    # block 0: rank 0 {0,1}: (t0,k0) e0, (t3,k0) e1; rank 1 {4,5}: (t0,k1) e5, (t2,k0) e4,
+    # (t4,k0) e5, (t4,k1) e4
+    assert combine.token_idx[0].tolist() == [0, 3, 0, 2, 4, 4]
+    # block 1: rank 0 {2,3}: (t1,k1), (t3,k1); rank 1 {6,7}: (t1,k0) e7, (t2,k1) e6
+    assert combine.token_idx[1].tolist() == [1, 3, 1, 2]
+
+
+def test_flags():
+    assert not SboFlags.from_options(False).enabled
+    on = SboFlags.from_options(True)
+    assert on.combine_down_gemm_overlap and on.dispatch_shared_overlap
+    assert on.fuse_shared_experts_inside_sbo and not on.combine_shared_overlap
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(moe_a2a_backend="torch", deepep_mode="normal", enable_two_batch_overlap=True),
+         "exclude each other"),
+        (dict(tp_size=2), "needs an all-to-all"),
+        (dict(tp_size=2, moe_a2a_backend="torch"), "--deepep-mode normal"),
+        (dict(tp_size=2, moe_a2a_backend="torch", deepep_mode="low_latency",
+              chunked_prefill_size=64, max_running_requests=64), "--deepep-mode normal"),
+        (dict(tp_size=2, moe_a2a_backend="torch", deepep_mode="normal", sbo_num_blocks=0),
+         "--sbo-num-blocks"),
+    ],
+)  # fmt: skip
+def test_invalid_sbo_flags(qwen3_moe_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(
+            model_path=qwen3_moe_path, device="cpu", enable_single_batch_overlap=True, **kwargs
+        )
+
+
+def test_sbo_num_blocks_needs_sbo(qwen3_moe_path):
+    with pytest.raises(ValueError, match="needs --enable-single-batch-overlap"):
+        ServerArgs(model_path=qwen3_moe_path, device="cpu", sbo_num_blocks=2)
