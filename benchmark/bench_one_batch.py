@@ -13,8 +13,10 @@ with the blocked combine; ``--compare-overlap`` runs every configuration with th
 unless SBO is given) off and on, interleaved (``--repeat`` times, medians), and prints the
 speed-up and the share of the all-to-all time hidden, (T_off − T_on) / T_comm, where T_comm is
 the time the plain step spends in its all-to-all operations (recorded in the same run).
-``--profile DIR`` writes rank 0's operation timeline of one prefill and one decode step: a
-Chrome / Perfetto trace (``trace.json``) and a PNG of one MoE layer (``layer.png``).
+``--nnodes/--node-rank/--dist-init-addr`` spread the ranks over machines (run the command on
+every node; rank 0, on node 0, prints). ``--profile DIR`` writes rank 0's operation timeline
+of one prefill and one decode step: a Chrome / Perfetto trace (``trace_*.json``) and a PNG of
+one MoE layer (``layer_*.png``).
 
     python benchmark/bench_one_batch.py --model-path MID --tp 2 --dp 2 --enable-dp-attention \
         --moe-a2a-backend torch --compare-overlap --batch-size 32 128 --input-len 4 \
@@ -155,11 +157,17 @@ def report(verbose: bool, line: str) -> None:
         print(line, flush=True)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_run(model, input_ids: list[list[int]], output_len: int) -> dict:
-    ids = torch.tensor(input_ids)
+    ids = torch.tensor(input_ids, device=model.device)
     with torch.no_grad():
         start = time.perf_counter()
         model(ids)
+        _sync(ids.device)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate(
@@ -170,6 +178,7 @@ def hf_run(model, input_ids: list[list[int]], output_len: int) -> dict:
             min_new_tokens=output_len,
             pad_token_id=0,
         )
+        _sync(ids.device)
         total = time.perf_counter() - start
     return {
         "prefill_latency": prefill,
@@ -261,9 +270,13 @@ def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, ini
     if args.compare_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            server_args.model_path, dtype=any_runner.model_config.dtype
-        ).eval()
+        hf_model = (
+            AutoModelForCausalLM.from_pretrained(
+                server_args.model_path, dtype=any_runner.model_config.dtype
+            )
+            .to(any_runner.device)
+            .eval()
+        )
     vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
     for batch_size, input_len, output_len in configs:
         inputs = random_inputs(vocab, batch_size, input_len, args.seed + group)
@@ -346,13 +359,15 @@ def main() -> None:
     if server_args.tp_size == 1:
         bench_rank(0, args, server_args, None)
         return
-    port = free_port()
-    init = SimpleNamespace(dist_init_method=f"tcp://127.0.0.1:{port}", dist_init_host="127.0.0.1")
+    if server_args.nnodes > 1:  # this node's ranks; node 0's address for the rendezvous
+        host, _, port = server_args.dist_init_addr.rpartition(":")
+        per_node = server_args.num_ranks_per_node
+        ranks = range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+    else:
+        host, port, ranks = "127.0.0.1", free_port(), range(server_args.tp_size)
+    init = SimpleNamespace(dist_init_method=f"tcp://{host}:{port}", dist_init_host=host)
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=bench_rank, args=(rank, args, server_args, init))
-        for rank in range(server_args.tp_size)
-    ]
+    procs = [ctx.Process(target=bench_rank, args=(rank, args, server_args, init)) for rank in ranks]
     for p in procs:
         p.start()
     failed = False

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from srt.server_args_checks import check_gpus_per_node, check_overlap, check_parallel
+
 logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
@@ -276,8 +278,10 @@ class ServerArgs:
         if self.max_running_requests is None:
             self.max_running_requests = 2048 if self.device == "cuda" else 256
         self._check_ranges()
-        self._check_parallel()
-        self._check_overlap()
+        check_parallel(self)
+        check_overlap(self)
+        if self.device == "cuda":
+            check_gpus_per_node(self)
 
     def _check_ranges(self) -> None:
         def require(ok: bool, flag: str, msg: str) -> None:
@@ -312,123 +316,6 @@ class ServerArgs:
             ("schedule_policy", SCHEDULE_POLICY_CHOICES),
         ):
             require(getattr(self, name) in choices, name, f"must be one of {choices}")
-
-    def _check_parallel(self) -> None:
-        """The parallel layout (SGLang's rules); errors name the flags."""
-        tp, dp = self.tp_size, self.dp_size
-        if dp < 1:
-            raise ValueError("--dp-size: must be ≥ 1")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
-        if tp % self.nnodes:
-            raise ValueError(f"--tp-size {tp} must be divisible by --nnodes {self.nnodes}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-        if self.dist_init_addr:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
-        if self.enable_dp_attention and dp == 1:
-            logger.warning("--enable-dp-attention with --dp-size 1 is plain TP: turned off")
-            self.enable_dp_attention = False
-        if dp > 1 and not self.enable_dp_attention:
-            if self.nnodes > 1:
-                raise ValueError(
-                    f"--dp-size {dp} over --nnodes {self.nnodes}: multi-node data parallelism "
-                    "needs --enable-dp-attention"
-                )
-            raise ValueError(
-                f"--dp-size {dp} needs --enable-dp-attention (srt has no data-parallel "
-                "replicas without DP attention)"
-            )
-        if self.enable_dp_attention and tp % dp:
-            raise ValueError(f"--tp-size {tp} must be divisible by --dp-size {dp}")
-        if self.enable_dp_lm_head and not self.enable_dp_attention:
-            raise ValueError("--enable-dp-lm-head needs --enable-dp-attention")
-        if self.moe_a2a_backend != "none":
-            if self.ep_size not in (None, tp):
-                raise ValueError(
-                    f"--moe-a2a-backend {self.moe_a2a_backend} splits experts over all ranks: "
-                    f"--ep-size must be --tp-size ({tp}), got {self.ep_size}"
-                )
-            self.ep_size = tp
-        elif self.ep_size is None:
-            self.ep_size = 1
-        if self.ep_size < 1 or tp % self.ep_size:
-            raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {tp}")
-        if self.max_dispatch_tokens_per_rank < 1:
-            raise ValueError("--max-dispatch-tokens-per-rank: must be positive")
-        if self.moe_a2a_backend == "deepep":
-            from srt.layers.moe.token_dispatcher.factory import check_deepep
-
-            check_deepep()
-        if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
-            self._check_low_latency_capacity()
-
-    def _check_overlap(self) -> None:
-        if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
-            raise ValueError(
-                f"--tbo-token-distribution-threshold {self.tbo_token_distribution_threshold}: "
-                "must be in [0, 0.5]"
-            )
-        for flag in ("tbo_decode_token_threshold", "tbo_prefill_token_threshold"):
-            if getattr(self, flag) < 0:
-                raise ValueError(f"--{flag.replace('_', '-')}: must be ≥ 0")
-        if (
-            self.enable_two_batch_overlap
-            and self.moe_a2a_backend == "none"
-            and not self.enable_dp_attention
-        ):
-            raise ValueError(
-                "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
-                "torch (or deepep), or --enable-dp-attention"
-            )
-        self._check_single_batch_overlap()
-
-    def _check_single_batch_overlap(self) -> None:
-        if self.sbo_num_blocks is not None and self.sbo_num_blocks < 1:
-            raise ValueError(f"--sbo-num-blocks {self.sbo_num_blocks}: must be ≥ 1")
-        if not self.enable_single_batch_overlap:
-            if self.sbo_num_blocks is not None:
-                raise ValueError("--sbo-num-blocks needs --enable-single-batch-overlap")
-            return
-        if self.enable_two_batch_overlap:
-            raise ValueError(
-                "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
-                "other: choose one"
-            )
-        if self.moe_a2a_backend == "none":
-            raise ValueError(
-                "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"
-            )
-        if self.moe_a2a_backend == "torch" and self.deepep_mode != "normal":
-            raise ValueError(
-                "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "
-                f"normal (got {self.deepep_mode}); set --deepep-mode normal"
-            )
-
-    def _check_low_latency_capacity(self) -> None:
-        """--deepep-mode low_latency sends every batch through fixed-capacity buffers: the
-        largest batch a rank can split off must fit (``auto`` falls back to normal instead)."""
-        attn_tp = self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
-        cap = self.max_dispatch_tokens_per_rank
-        if not self.enable_chunked_prefill:
-            raise ValueError(
-                "--deepep-mode low_latency needs chunked prefill (a prompt's tokens must fit "
-                "--max-dispatch-tokens-per-rank); set --chunked-prefill-size"
-            )
-        limits = {
-            "--chunked-prefill-size": min(self.chunked_prefill_size, self.max_prefill_tokens),
-            "--max-running-requests": self.max_running_requests,
-        }
-        for flag, tokens in limits.items():
-            if -(-tokens // attn_tp) > cap:
-                raise ValueError(
-                    f"--deepep-mode low_latency: {flag} {tokens} puts up to "
-                    f"{-(-tokens // attn_tp)} tokens on a rank, above "
-                    f"--max-dispatch-tokens-per-rank {cap}; lower {flag}, raise "
-                    "--max-dispatch-tokens-per-rank or use --deepep-mode auto"
-                )
 
     @property
     def num_ranks_per_node(self) -> int:

@@ -97,35 +97,33 @@ def compute_overlap_args(
     """``sent_topk_ids`` [T, k]: this rank's tokens' global expert ids (-1: none);
     ``recv_topk_ids`` [R, k]: the received rows' ids, -1 where not this rank's; rows grouped by
     source rank, ``recv_splits`` of them from each."""
-    device = sent_topk_ids.device
+    device, nb, ep = sent_topk_ids.device, num_blocks, ep_size
     block_of = partition_blocks(num_local_experts, num_blocks).to(device)
-    # Receiver: pairs of each block, row-major (rows by source rank, then slot).
+    # Receiver: every (row, slot) pair of a local expert, row-major, then grouped by block
+    # (a stable sort keeps the row-major order inside a block).
     local = recv_topk_ids.long() - ep_rank * num_local_experts
     valid = (recv_topk_ids >= 0) & (local >= 0) & (local < num_local_experts)
-    recv_block = torch.where(valid, block_of[local.clamp(0, num_local_experts - 1)], -1)
+    rows, slots = valid.nonzero(as_tuple=True)
+    blocks = block_of[local[rows, slots]]
+    order = torch.argsort(blocks, stable=True)
+    rows, slots, blocks = rows[order], slots[order], blocks[order]
     source = torch.repeat_interleave(
-        torch.arange(ep_size, device=device), torch.tensor(recv_splits, device=device)
+        torch.arange(ep, device=device), torch.tensor(recv_splits, device=device)
     )  # [R] source rank of each row
-    rows, slots, sends = [], [], []
-    for b in range(num_blocks):
-        r, k = (recv_block == b).nonzero(as_tuple=True)
-        rows.append(r)
-        slots.append(k)
-        sends.append(torch.bincount(source[r], minlength=ep_size).tolist())
-    # Sender: the same pairs as seen from the tokens, by destination rank, then token, slot.
+    sends = torch.bincount(blocks * ep + source[rows], minlength=nb * ep).view(nb, ep)
+    sizes = sends.sum(dim=1).tolist()
+    # Sender: the same pairs as seen from its tokens: by block, destination, token, slot.
     ids = sent_topk_ids.long()
-    dest = torch.div(ids, num_local_experts, rounding_mode="floor")
-    sent_block = torch.where(ids >= 0, block_of[(ids % num_local_experts).clamp(min=0)], -1)
-    token_idx, recvs = [], []
     num_tokens, top_k = ids.shape
-    flat = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)
-    for b in range(num_blocks):
-        mask = sent_block == b
-        key = dest[mask] * (num_tokens * top_k) + flat[mask]
-        order = torch.argsort(key)
-        token_idx.append(torch.div(flat[mask][order], top_k, rounding_mode="floor"))
-        recvs.append(torch.bincount(dest[mask], minlength=ep_size).tolist())
+    chosen = ids >= 0
+    flat = torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k)[chosen]
+    ids = ids[chosen]
+    dest = torch.div(ids, num_local_experts, rounding_mode="floor")
+    sent_block = block_of[ids % num_local_experts]
+    key = (sent_block * ep + dest) * (num_tokens * top_k) + flat
+    token_idx = torch.div(flat[torch.argsort(key)], top_k, rounding_mode="floor")
+    recvs = torch.bincount(sent_block * ep + dest, minlength=nb * ep).view(nb, ep)
     return (
-        CombineOverlapArgs(num_blocks, token_idx, recvs),
-        DownGemmOverlapArgs(num_blocks, rows, slots, sends),
+        CombineOverlapArgs(nb, list(token_idx.split(recvs.sum(dim=1).tolist())), recvs.tolist()),
+        DownGemmOverlapArgs(nb, list(rows.split(sizes)), list(slots.split(sizes)), sends.tolist()),
     )

@@ -54,6 +54,17 @@ def available_memory_bytes(device: str) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def kv_cache_budget_bytes(device: str, mem_fraction_static: float) -> float:
+    """CUDA: weights and KV cache together take ``mem_fraction_static`` of the device's total
+    memory (SGLang's rule), so the KV cache gets what is free now (weights loaded) minus the
+    ``1 - fraction`` of the total kept for activations and the allocator. CPU: that fraction of
+    the memory available now."""
+    if device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        return free - total * (1 - mem_fraction_static)
+    return available_memory_bytes(device) * mem_fraction_static
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -70,6 +81,11 @@ class ModelRunner:
                 f"(got {self.parallel.tp_size})"
             )
         self.model_config = model_config or ModelConfig.from_server_args(server_args)
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds an execution plan for every new shape (about 60 ms each on an
+            # H100, torch 2.11, bf16/fp16): decode changes the KV length every step and extend
+            # runs one call per prompt length, so it would build a plan on nearly every call.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self._init_model()
         self._init_memory_pools()
         self.tbo_config = TboConfig.from_server_args(server_args)
@@ -115,7 +131,7 @@ class ModelRunner:
     def _profile_max_num_tokens(self) -> int:
         sa = self.server_args
         per_token = self._make_kv_pool(0).bytes_per_token()
-        budget = available_memory_bytes(sa.device) * sa.mem_fraction_static
+        budget = kv_cache_budget_bytes(sa.device, sa.mem_fraction_static)
         tokens = int(budget // per_token)
         if sa.max_total_tokens is not None:
             tokens = (

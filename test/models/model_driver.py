@@ -22,13 +22,17 @@ class ModelDriver:
 
     def _batch(self, mode, input_ids, positions, out_loc, **extend) -> ForwardBatch:
         r = self.runner
+
+        def ids(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=r.device)
+
         return ForwardBatch(
             forward_mode=mode,
             batch_size=len(self.rows),
-            input_ids=torch.tensor(input_ids),
-            positions=torch.tensor(positions),
-            req_pool_indices=torch.tensor(self.rows),
-            seq_lens=torch.tensor(self.lens),
+            input_ids=ids(input_ids),
+            positions=ids(positions),
+            req_pool_indices=ids(self.rows),
+            seq_lens=ids(self.lens),
             seq_lens_cpu=list(self.lens),
             out_cache_loc=out_loc,
             req_to_token_pool=r.req_to_token_pool,

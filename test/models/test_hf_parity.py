@@ -37,7 +37,7 @@ def test_logprobs_match_hf(tiny_models, name):
     driver = ModelDriver(path)
     logits = driver.prefill(PROMPTS)
     for step in range(DECODE_STEPS + 1):
-        ours = torch.log_softmax(logits.float(), -1)
+        ours = torch.log_softmax(logits.float(), -1).cpu()
         for i, (ref_logprobs, _) in enumerate(reference):
             diff = (ours[i] - ref_logprobs[step]).abs().max().item()
             assert diff <= TOLERANCE, f"{name} prompt {i} step {step}: max diff {diff:.2e}"
