@@ -1,7 +1,13 @@
-"""Write a mid-size random Qwen3-MoE checkpoint for benchmarks (hidden 1024, 8 layers, 16
-experts, top-2), with the tiny models' tokenizer. Deterministic; about 0.9 GB in float32.
+"""Write a random Qwen3-MoE checkpoint for benchmarks, with the tiny models' tokenizer.
+Deterministic. Presets:
 
-    python benchmark/make_random_model.py --out-dir DIR
+- ``mid`` (default): hidden 1024, 8 layers, 16 experts top-2; about 0.9 GB in float32.
+- ``emulated``: hidden 1024, 4 layers, 8 experts top-2 with small experts (intermediate 64)
+  and 4 attention heads: the all-to-all bytes of a token stay those of hidden 1024 while its
+  compute shrinks, so that on one CPU core per node compute and communication are of the same
+  order over a 1 Gbit/s link (the emulated-cluster benchmark).
+
+    python benchmark/make_random_model.py --out-dir DIR [--preset emulated]
 """
 
 from __future__ import annotations
@@ -32,9 +38,21 @@ MID_SIZE = {
     "moe_intermediate_size": 512,
     "intermediate_size": 2048,
 }
+EMULATED = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+}
+PRESETS = {"mid": MID_SIZE, "emulated": EMULATED}
 
 
-def make_mid_size_model(out_dir: str) -> str:
+def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
     out = Path(out_dir)
     if (out / "config.json").exists():
         return str(out)
@@ -42,9 +60,9 @@ def make_mid_size_model(out_dir: str) -> str:
     tok = build_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
-    cfg = qwen3_moe_config(vocab_size, eos_id) | MID_SIZE
+    cfg = qwen3_moe_config(vocab_size, eos_id) | PRESETS[preset]
     tensors = make_tensors(
-        "mid-qwen3-moe", qwen3_moe_shapes(cfg), unprintable_token_ids(tok, vocab_size)
+        f"{preset}-qwen3-moe", qwen3_moe_shapes(cfg), unprintable_token_ids(tok, vocab_size)
     )
     save_tokenizer(tok, out)
     save_weights(tensors, out, num_shards=4)
@@ -55,7 +73,9 @@ def make_mid_size_model(out_dir: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
-    print(make_mid_size_model(parser.parse_args().out_dir))
+    parser.add_argument("--preset", choices=list(PRESETS), default="mid")
+    args = parser.parse_args()
+    print(make_mid_size_model(args.out_dir, args.preset))
 
 
 if __name__ == "__main__":

@@ -129,12 +129,13 @@ def init_rank_parallel_state(
     server_args: ServerArgs, port_args: PortArgs, tp_rank: int
 ) -> ParallelState | None:
     """This rank's groups (None on one rank: no torch.distributed). On CPU the ranks of a node
-    share its cores, so each gets its share of torch threads."""
+    share the cores this process may run on (its affinity, e.g. under taskset), so each gets
+    its share of torch threads."""
     if server_args.tp_size == 1:
         return None
     on_cuda = server_args.device == "cuda"
     if not on_cuda:
-        threads = (os.cpu_count() or 1) // server_args.num_ranks_per_node
+        threads = len(os.sched_getaffinity(0)) // server_args.num_ranks_per_node
         torch.set_num_threads(max(1, threads))
     if server_args.nnodes > 1:
         set_socket_ifname_for(port_args.dist_init_host)

@@ -52,9 +52,9 @@ def test_engine_with_tbo_equals_without(case, tiny_models, unsplit):
         **ALWAYS, **kwargs,
     )  # fmt: skip
     assert_same_outputs(outputs, unsplit[case], TOLERANCE)
-    for state in states:
-        assert state["num_tbo_steps"].get("extend", 0) > 0, state
-        assert state["num_tbo_steps"].get("decode", 0) > 0, state
+    # Which steps split depends on how the requests meet in batches (a one-token extend, or
+    # groups in different modes, run unsplit); the scheduler test pins the rules down.
+    assert sum(n for s in states for n in s["num_tbo_steps"].values()) > 0, states
 
 
 def test_engine_with_sbo_equals_without(tiny_models, unsplit):
@@ -63,9 +63,9 @@ def test_engine_with_sbo_equals_without(tiny_models, unsplit):
         tiny_models[model], TWICE, with_state=True, enable_single_batch_overlap=True, **kwargs
     )
     assert_same_outputs(outputs, unsplit["qwen3-normal"], TOLERANCE)
-    for state in states:
+    for state in states:  # every forward of every group ran SBO
+        assert state["num_sbo_steps"] == state["num_non_tbo_steps"], state
         assert state["num_sbo_steps"].get("extend", 0) > 0, state
-        assert state["num_sbo_steps"].get("decode", 0) > 0, state
         assert state["num_tbo_steps"] == {}, state
 
 
@@ -95,7 +95,7 @@ def test_http_server_with_tbo(tiny_models, unsplit):
             timeout=60.0,
         )
     assert_same_outputs(response.json(), unsplit["qwen3-normal"], TOLERANCE)
-    assert all(sum(s["num_tbo_steps"].values()) > 0 for s in info["internal_states"])
+    assert sum(n for s in info["internal_states"] for n in s["num_tbo_steps"].values()) > 0
     assert chat.status_code == 200, chat.text
 
 

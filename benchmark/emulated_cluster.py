@@ -1,0 +1,237 @@
+"""Emulated multi-node cluster: N network namespaces ("nodes") joined by tbf-shaped veth links
+(``benchmark/netns.py``), a real multi-node srt in them, and the overlap benchmarks end to end.
+Needs root and ``ip netns``.
+
+For each link rate it builds the cluster, prints a link self-test (TCP throughput per
+direction), then, with one rank per node pinned to its own core (``taskset``):
+- ``bench_one_batch.py --compare-overlap`` on every node (``--nnodes/--node-rank``), once for
+  two-batch overlap and once for single-batch overlap: step latency off and on, prefill and
+  decode, in one run each, and the share of the all-to-all time hidden;
+- ``python -m launch_server`` on every node (overlap off, TBO, SBO in turn), waits for node 0's
+  ``/health``, and runs ``bench_serving.py`` from inside node 0's namespace against it;
+then stops every process and removes the namespaces and links, also on failure or Ctrl-C.
+Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OUT/step_time.png``.
+
+    python benchmark/emulated_cluster.py --nodes 2 --link-rate 1gbit --quick
+    python benchmark/emulated_cluster.py --nodes 2 --link-rate 0.5gbit 1gbit 2gbit unshaped
+
+``--quick`` runs the 2-node point at the first rate with one repeat and a short serving run,
+and ends with ``summary: tbo_decode_speedup=… tbo_prefill_speedup=… sbo_decode_speedup=…
+hidden_fraction=…`` (throughput ratios over overlap off in the same run; the hidden fraction is
+TBO's, prefill and decode together: (T_off − T_on) / T_comm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from make_random_model import make_mid_size_model  # noqa: E402
+from netns import create_cluster, exit_on_signals, format_selftest, link_selftest  # noqa: E402
+
+DIST_PORT, HTTP_PORT = 29650, 30000
+OVERLAP_FLAGS = {
+    "off": [],
+    "tbo": ["--enable-two-batch-overlap", "--tbo-decode-token-threshold", "0",
+            "--tbo-prefill-token-threshold", "0"],
+    "sbo": ["--enable-single-batch-overlap"],
+}  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--link-rate", nargs="+", default=["1gbit"], help="tc rates, or 'unshaped'")
+    p.add_argument("--burst", type=int, default=None, help="tbf burst bytes (default: netns.py)")
+    p.add_argument("--latency", default="20ms", help="tbf queue bound")
+    p.add_argument("--model-path", default=None, help="default: the 'emulated' random preset")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--input-len", type=int, default=8)
+    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per run")
+    p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="per benchmark command (s)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
+        args.repeat, args.num_prompts = 1, min(args.num_prompts, 16)
+    return args
+
+
+def _pinned(cluster, i: int, argv: list[str]) -> list[str]:
+    """One core per node (round robin over this process's cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ["taskset", "-c", str(cores[i % len(cores)]), *argv]
+
+
+def _parallel_flags(args, cluster, i: int) -> list[str]:
+    n = args.nodes
+    return [
+        "--model-path", args.model_path, "--tp", str(n), "--dp", str(n), "--enable-dp-attention",
+        "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
+        "--nnodes", str(n), "--node-rank", str(i),
+        "--dist-init-addr", f"{cluster.addrs[0]}:{DIST_PORT}",
+    ]  # fmt: skip
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc, log in zip(procs, logs):
+        try:
+            rc = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"timed out after {timeout:.0f} s; see {log}") from None
+        if rc != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"{log.name} exited with {rc}:\n{tail}")
+
+
+def run_one_batch(args, cluster, mode: str, out: Path, tag: str) -> list[dict]:
+    """bench_one_batch --compare-overlap for ``mode`` (tbo / sbo) on every node."""
+    result = out / f"one_batch_{tag}_{mode}.jsonl"
+    result.unlink(missing_ok=True)
+    procs, logs = [], []
+    for i in range(args.nodes):
+        argv = [sys.executable, str(BENCH / "bench_one_batch.py"),
+                *_parallel_flags(args, cluster, i), *OVERLAP_FLAGS[mode],
+                "--compare-overlap", "--repeat", str(args.repeat),
+                "--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len),
+                "--output-len", str(args.output_len), "--result-filename", str(result),
+                "--run-name", f"{tag}-{mode}"]  # fmt: skip
+        logs.append(out / f"one_batch_{tag}_{mode}_node{i}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(cluster.popen(i, _pinned(cluster, i, argv), stdout=log, stderr=log))
+    _wait_all(procs, logs, args.timeout)
+    return [json.loads(line) for line in result.read_text().splitlines()]
+
+
+def _node0_http_ok(cluster, url: str) -> bool:
+    probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=2)"
+    cmd = cluster.exec_argv(0, [sys.executable, "-c", probe])
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
+    """launch_server on every node with ``mode``'s overlap, bench_serving from node 0."""
+    base = f"http://{cluster.addrs[0]}:{HTTP_PORT}"
+    servers, logs = [], []
+    for i in range(args.nodes):
+        argv = [sys.executable, "-m", "launch_server", *_parallel_flags(args, cluster, i),
+                *OVERLAP_FLAGS[mode], "--host", cluster.addrs[0], "--port", str(HTTP_PORT),
+                "--max-running-requests", "64", "--log-level", "warning"]  # fmt: skip
+        logs.append(out / f"server_{tag}_{mode}_node{i}.log")
+        with open(logs[-1], "w") as log:
+            servers.append(cluster.popen(i, _pinned(cluster, i, argv), stdout=log, stderr=log))
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not _node0_http_ok(cluster, base + "/health"):
+            dead = [log.name for s, log in zip(servers, logs) if s.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready ({dead or 'timeout'}); see {logs[0]}")
+            time.sleep(1.0)
+        record = out / f"serving_{tag}_{mode}.jsonl"
+        record.unlink(missing_ok=True)
+        bench = [sys.executable, str(BENCH / "bench_serving.py"), "--base-url", base,
+                 "--num-prompts", str(args.num_prompts), "--random-input-len", "64",
+                 "--random-output-len", "16", "--random-range-ratio", "1.0",
+                 "--disable-tqdm", "--output-file", str(record)]  # fmt: skip
+        log_path = out / f"bench_serving_{tag}_{mode}.log"
+        with open(log_path, "w") as log:
+            rc = subprocess.run(
+                cluster.exec_argv(0, bench), stdout=log, stderr=log, timeout=args.timeout
+            ).returncode
+        if rc:
+            raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
+        return json.loads(record.read_text().splitlines()[-1])
+    finally:
+        for s in servers:  # node 0 first: the others follow its lifetime
+            if s.poll() is None:
+                os.killpg(s.pid, 15)
+        for s in servers:
+            try:
+                s.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(s.pid, 9)
+                s.wait()
+
+
+def run_rate(args, rate: str, out: Path) -> dict:
+    shaped = None if rate == "unshaped" else rate
+    tag = rate.replace(".", "p")
+    point: dict = {"rate": rate}
+    with create_cluster(args.nodes, shaped, burst=args.burst, latency=args.latency) as cluster:
+        print(f"== {cluster.describe()}", flush=True)
+        print(format_selftest(cluster, link_selftest(cluster)), flush=True)
+        for mode in ("tbo", "sbo"):
+            point[mode] = run_one_batch(args, cluster, mode, out, tag)
+            for row in point[mode]:
+                if row["variant"].endswith("_on"):
+                    print(f"  {mode} batch {row['batch_size']}: prefill "
+                          f"{row['prefill_speedup']:.3f}x, decode {row['decode_speedup']:.3f}x, "
+                          f"hidden {row['prefill_hidden_fraction']:.0%} / "
+                          f"{row['decode_hidden_fraction']:.0%}", flush=True)  # fmt: skip
+        if not args.no_serving:
+            point["serving"] = {}
+            for mode in ("off", "tbo", "sbo"):
+                rec = run_serving(args, cluster, mode, out, tag)
+                point["serving"][mode] = rec
+                print(f"  serving {mode}: {rec['output_throughput']:.1f} output tok/s, "
+                      f"{rec['total_throughput']:.1f} total tok/s", flush=True)  # fmt: skip
+    return point
+
+
+def _pair(rows: list[dict], batch: int) -> tuple[dict, dict]:
+    off = next(r for r in rows if r["batch_size"] == batch and r["variant"].endswith("_off"))
+    on = next(r for r in rows if r["batch_size"] == batch and r["variant"].endswith("_on"))
+    return off, on
+
+
+def summary_line(point: dict, batch: int) -> str:
+    (t_off, t_on), (_, s_on) = _pair(point["tbo"], batch), _pair(point["sbo"], batch)
+    keys = ("prefill_latency", "median_decode_latency")
+    saved = sum(t_off[k] - t_on[k] for k in keys)
+    comm = t_off["prefill_comm_seconds"] + t_off["decode_comm_seconds"]
+    return (
+        f"summary: tbo_decode_speedup={t_on['decode_speedup']:.3f} "
+        f"tbo_prefill_speedup={t_on['prefill_speedup']:.3f} "
+        f"sbo_decode_speedup={s_on['decode_speedup']:.3f} "
+        f"hidden_fraction={saved / comm if comm else float('nan'):.3f}"
+    )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("emulated_cluster: needs root (network namespaces)")
+    out = Path(args.out_dir or tempfile.mkdtemp(prefix="srt-emulated-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model_path is None:
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        args.model_path = make_mid_size_model(str(cache / "srt" / "emulated-qwen3-moe"), "emulated")
+    points = []
+    with exit_on_signals():
+        for rate in args.link_rate:
+            points.append(run_rate(args, rate, out))
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(points[-1]) + "\n")
+    from emulated_report import write_report
+
+    write_report(points, out)
+    print(f"results: {out}")
+    if args.quick:
+        print(summary_line(points[0], args.batch_size[-1]))
+
+
+if __name__ == "__main__":
+    main()

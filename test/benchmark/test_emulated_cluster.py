@@ -1,0 +1,49 @@
+"""The emulated cluster end to end, minimal: two namespaces over a 1 Gbit/s tbf link, the tiny
+model, one batch size, a short serving run; it prints its summary line and leaves no
+namespace, link or process behind. Needs root and ``ip netns``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _netns_available() -> bool:
+    if os.geteuid() != 0:
+        return False
+    name = f"srt-probe-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
+        return False
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return True
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
+    argv = [
+        sys.executable, str(ROOT / "benchmark" / "emulated_cluster.py"), "--nodes", "2",
+        "--link-rate", "1gbit", "--quick", "--model-path", qwen3_moe_path, "--batch-size", "8",
+        "--num-prompts", "4", "--out-dir", str(tmp_path), "--timeout", "240",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ sbo_decode_speedup=\S+ "
+        r"hidden_fraction=\S+",
+        summary,
+    ), summary
+    assert (tmp_path / "results.md").exists()
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not re.search(r"srtnet-\d+-\d+", namespaces), namespaces  # nodes, hub, links
+    leftovers = subprocess.run(
+        ["pgrep", "-f", f"{qwen3_moe_path}.*--nnodes 2"], capture_output=True, text=True
+    ).stdout
+    assert leftovers == "", leftovers
