@@ -38,6 +38,8 @@ from make_random_model import make_mid_size_model  # noqa: E402
 from netns import create_cluster, exit_on_signals, format_selftest, link_selftest  # noqa: E402
 
 DIST_PORT, HTTP_PORT = 29650, 30000
+# bench_one_batch measures the overlap itself: every step splits (thresholds 0). The servers
+# run as users would, with the default thresholds.
 OVERLAP_FLAGS = {
     "off": [],
     "tbo": ["--enable-two-batch-overlap", "--tbo-decode-token-threshold", "0",
@@ -60,12 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per run")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR", help="node 0's op timelines")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="per benchmark command (s)")
     args = p.parse_args(argv)
     if args.quick:
         args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
-        args.repeat, args.num_prompts = 1, min(args.num_prompts, 16)
+        args.num_prompts = min(args.num_prompts, 16)
+        args.repeat = min(args.repeat, 2)
     return args
 
 
@@ -109,6 +113,8 @@ def run_one_batch(args, cluster, mode: str, out: Path, tag: str) -> list[dict]:
                 "--batch-size", *map(str, args.batch_size), "--input-len", str(args.input_len),
                 "--output-len", str(args.output_len), "--result-filename", str(result),
                 "--run-name", f"{tag}-{mode}"]  # fmt: skip
+        if args.profile and i == 0:
+            argv += ["--profile", str(Path(args.profile) / f"{tag}_{mode}")]
         logs.append(out / f"one_batch_{tag}_{mode}_node{i}.log")
         with open(logs[-1], "w") as log:
             procs.append(cluster.popen(i, _pinned(cluster, i, argv), stdout=log, stderr=log))
@@ -122,13 +128,20 @@ def _node0_http_ok(cluster, url: str) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+SERVING_FLAGS = {
+    "off": [],
+    "tbo": ["--enable-two-batch-overlap"],
+    "sbo": ["--enable-single-batch-overlap"],
+}
+
+
 def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
     """launch_server on every node with ``mode``'s overlap, bench_serving from node 0."""
     base = f"http://{cluster.addrs[0]}:{HTTP_PORT}"
     servers, logs = [], []
     for i in range(args.nodes):
         argv = [sys.executable, "-m", "launch_server", *_parallel_flags(args, cluster, i),
-                *OVERLAP_FLAGS[mode], "--host", cluster.addrs[0], "--port", str(HTTP_PORT),
+                *SERVING_FLAGS[mode], "--host", cluster.addrs[0], "--port", str(HTTP_PORT),
                 "--max-running-requests", "64", "--log-level", "warning"]  # fmt: skip
         logs.append(out / f"server_{tag}_{mode}_node{i}.log")
         with open(logs[-1], "w") as log:

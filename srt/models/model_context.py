@@ -140,6 +140,7 @@ class ModelContext:
                     max_dispatch_tokens_per_rank=opts.max_dispatch_tokens_per_rank,
                     device=p.device,
                     sbo_num_blocks=sbo_blocks,
+                    counts_group=p.moe_ep.cpu_group if p.moe_ep_size > 1 else None,
                 )
             )
         return self.dispatchers

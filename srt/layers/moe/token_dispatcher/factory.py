@@ -35,10 +35,12 @@ def create_dispatcher(
     device: torch.device | str = "cpu",
     duplex_min_bytes: int = DUPLEX_MIN_BYTES,
     sbo_num_blocks: int | None = None,
+    counts_group: ProcessGroup | None = None,
 ) -> TokenDispatcher:
     """``groups``: the EP process group, or two over the same ranks for full duplex on gloo,
     used for exchanges whose largest link carries ≥ ``duplex_min_bytes`` (see ``torch_a2a``).
-    ``sbo_num_blocks``: single-batch overlap's blocked combine (normal mode only). Everything
+    ``sbo_num_blocks``: single-batch overlap's blocked combine (normal mode only);
+    ``counts_group``: where the normal mode exchanges its counts (see there). Everything
     but ``backend`` and ``deepep_mode`` is ignored for ``none``."""
     if deepep_mode not in DEEPEP_MODES:
         raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODES}")
@@ -50,7 +52,9 @@ def create_dispatcher(
     if backend != "torch":
         raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
-    normal = lambda: TorchA2ANormalDispatcher(*common, duplex_min_bytes, sbo_num_blocks)
+    normal = lambda: TorchA2ANormalDispatcher(
+        *common, duplex_min_bytes, sbo_num_blocks, counts_group
+    )
     if sbo_num_blocks and deepep_mode != "normal":
         raise ValueError(
             "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "

@@ -64,7 +64,10 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
     """EP dispatcher over torch.distributed all_to_all_single with exact split sizes.
 
     ``groups``: one EP process group, or two over the same ranks for full duplex on gloo (lower
-    → higher rank traffic on the first, higher → lower on the second). Counts use ``groups[0]``.
+    → higher rank traffic on the first, higher → lower on the second). Counts use
+    ``counts_group`` (the EP group's gloo CPU group) when given, else ``groups[0]``: on a group
+    of their own they do not wait behind the other micro-batch's payload on the same
+    connections (two-batch overlap launches one while the other is in flight).
     One instance serves one micro-batch; it keeps nothing shared with other instances."""
 
     def __init__(
@@ -78,8 +81,10 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
         dtype: torch.dtype,
         duplex_min_bytes: int = DUPLEX_MIN_BYTES,
         sbo_num_blocks: int | None = None,
+        counts_group: ProcessGroup | None = None,
     ):
         self.layout = EPLayout(ep_rank, ep_size, num_experts)
+        self.counts_group = counts_group
         self.sbo_num_blocks = sbo_num_blocks
         self.overlap_args: DownGemmOverlapArgs | None = None  # this step's, with SBO
         self._combine_args: CombineOverlapArgs | None = None
@@ -127,11 +132,13 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
     def _launch_counts(self, send_counts: torch.Tensor):
         """Every rank sends its ``[ep]`` row counts to every rank, so all learn the whole
         ``[src, dst]`` matrix: their own receive sizes and the size of the largest link."""
-        ep = self.layout.ep_size
+        ep, group = self.layout.ep_size, self.counts_group
+        if group is None:
+            group = self.exchange.groups[0]
+        else:  # a gloo group of its own: the counts never queue behind a payload in flight
+            send_counts = send_counts.cpu()
         matrix = send_counts.new_empty(ep, ep)
-        work = dist.all_to_all_single(
-            matrix, send_counts.repeat(ep, 1), group=self.exchange.groups[0], async_op=True
-        )
+        work = dist.all_to_all_single(matrix, send_counts.repeat(ep, 1), group=group, async_op=True)
         return work, matrix
 
     def _read_counts(self, matrix: torch.Tensor) -> tuple[list[int], list[int], int]:

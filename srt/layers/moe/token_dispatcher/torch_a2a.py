@@ -33,8 +33,9 @@ from torch.distributed import ProcessGroup
 
 _PHASES = ("dispatch_a", "dispatch_b", "combine_a", "combine_b")
 # an exchange splits by direction from this many bytes on one link: the crossover measured over
-# a 1 Gbit/s link (below it the second collective costs more latency than it saves)
-DUPLEX_MIN_BYTES = 512 << 10
+# a 1 Gbit/s link, about 300 KiB (below it the second collective costs more latency than it
+# saves); two-batch overlap's half-size exchanges sit just above it (docs/distributed.md)
+DUPLEX_MIN_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
