@@ -50,6 +50,7 @@ from srt.server_args import ServerArgs
 from srt.utils.ipc import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_compare import compare_with_hf  # noqa: E402
 from op_timeline import comm_seconds, plot_layer, write_chrome_trace  # noqa: E402
 
 
@@ -157,36 +158,6 @@ def report(verbose: bool, line: str) -> None:
         print(line, flush=True)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def hf_run(model, input_ids: list[list[int]], output_len: int) -> dict:
-    ids = torch.tensor(input_ids, device=model.device)
-    with torch.no_grad():
-        start = time.perf_counter()
-        model(ids)
-        _sync(ids.device)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=output_len,
-            min_new_tokens=output_len,
-            pad_token_id=0,
-        )
-        _sync(ids.device)
-        total = time.perf_counter() - start
-    return {
-        "prefill_latency": prefill,
-        "total_latency": total,
-        "output_ids": out[:, ids.shape[1] :].tolist(),
-    }
-
-
 def random_inputs(vocab: int, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, min(vocab, 500), (batch_size, input_len), generator=gen).tolist()
@@ -220,27 +191,27 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     return args, ServerArgs.from_cli_args(args)
 
 
-def compare_with_hf(hf_model, inputs: list[list[int]], output_len: int, ours: dict) -> dict:
-    hf_run(hf_model, [inputs[0][:8]], 2)  # warm-up
-    ref = hf_run(hf_model, inputs, output_len)
-    same = sum(a == b for a, b in zip(ours["output_ids"], ref["output_ids"]))
-    prefill_x = ref["prefill_latency"] / ours["prefill_latency"]
-    total_x = ref["total_latency"] / ours["total_latency"]
-    print(
-        f"HF transformers. prefill latency: {ref['prefill_latency']:6.5f} s, "
-        f"generate latency: {ref['total_latency']:6.3f} s"
+def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, ServerArgs]:
+    """The configurations one run measures: the given one, or overlap off and on."""
+    if not args.compare_overlap:
+        return {"": server_args}
+    kind = "sbo" if server_args.enable_single_batch_overlap else "tbo"
+    off = dataclasses.replace(
+        server_args,
+        enable_two_batch_overlap=False,
+        enable_single_batch_overlap=False,
+        sbo_num_blocks=None,
     )
-    print(
-        f"srt vs HF: prefill {prefill_x:5.2f}x, total {total_x:5.2f}x faster; "
-        f"greedy outputs identical for {same}/{len(inputs)} sequences"
+    return {f"{kind}_off": off, f"{kind}_on": server_args}
+
+
+def _hf_model(server_args: ServerArgs, runner: ModelRunner):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        server_args.model_path, dtype=runner.model_config.dtype
     )
-    return {
-        "hf_prefill_latency": ref["prefill_latency"],
-        "hf_total_latency": ref["total_latency"],
-        "prefill_speedup_vs_hf": prefill_x,
-        "total_speedup_vs_hf": total_x,
-        "num_identical_outputs": same,
-    }
+    return model.to(runner.device).eval()
 
 
 def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, init) -> None:
@@ -251,32 +222,12 @@ def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, ini
     verbose = rank == 0
     configs = list(itertools.product(args.batch_size, args.input_len, args.output_len))
     max_tokens = max(b * (i + o) for b, i, o in configs)
-    variants = {"": server_args}
-    if args.compare_overlap:
-        kind = "sbo" if server_args.enable_single_batch_overlap else "tbo"
-        off = dataclasses.replace(
-            server_args,
-            enable_two_batch_overlap=False,
-            enable_single_batch_overlap=False,
-            sbo_num_blocks=None,
-        )
-        variants = {f"{kind}_off": off, f"{kind}_on": server_args}
     runners = {
         label: make_runner(sa, max(args.batch_size), max_tokens, parallel)
-        for label, sa in variants.items()
+        for label, sa in _variants(args, server_args).items()
     }
     any_runner = next(iter(runners.values()))[0]
-    hf_model = None
-    if args.compare_hf:
-        from transformers import AutoModelForCausalLM
-
-        hf_model = (
-            AutoModelForCausalLM.from_pretrained(
-                server_args.model_path, dtype=any_runner.model_config.dtype
-            )
-            .to(any_runner.device)
-            .eval()
-        )
+    hf_model = _hf_model(server_args, any_runner) if args.compare_hf else None
     vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
     for batch_size, input_len, output_len in configs:
         inputs = random_inputs(vocab, batch_size, input_len, args.seed + group)
@@ -285,32 +236,40 @@ def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, ini
             f"Warmup ...\nBenchmark: batch size {batch_size} (per DP group), "
             f"input len {input_len}, output len {output_len}",
         )
-        results = {}
-        for runner, ctx in runners.values():
-            run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
-        for _ in range(args.repeat):
-            for label, (runner, ctx) in runners.items():
-                report(verbose and label != "", f"[{label}]")
-                results.setdefault(label, []).append(
-                    run_once(runner, ctx, inputs, output_len, verbose=verbose)
-                )
-        summary = {label: _median_result(runs) for label, runs in results.items()}
+        summary = _measure(args, runners, inputs, output_len, verbose)
         if args.profile or args.compare_overlap:
             summary = _profile(args, runners, inputs, summary, verbose, (batch_size, input_len))
         if hf_model is not None:
             summary[""] |= compare_with_hf(hf_model, inputs, output_len, summary[""])
         if verbose and args.result_filename:
-            with open(args.result_filename, "a") as f:
-                for label, result in summary.items():
-                    skip = ("output_ids", "events")
-                    result = {k: v for k, v in result.items() if k not in skip}
-                    tags = {
-                        "run_name": args.run_name,
-                        "variant": label or None,
-                        "tp_size": server_args.tp_size,
-                        "dp_size": server_args.dp_size,
-                    }
-                    f.write(json.dumps(tags | result) + "\n")
+            _write_results(args, server_args, summary)
+
+
+def _measure(args, runners: dict, inputs, output_len: int, verbose: bool) -> dict:
+    """Warm-up, then ``--repeat`` runs of every variant, interleaved; medians."""
+    results: dict[str, list[dict]] = {}
+    for runner, ctx in runners.values():
+        run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
+    for _ in range(args.repeat):
+        for label, (runner, ctx) in runners.items():
+            report(verbose and label != "", f"[{label}]")
+            results.setdefault(label, []).append(
+                run_once(runner, ctx, inputs, output_len, verbose=verbose)
+            )
+    return {label: _median_result(runs) for label, runs in results.items()}
+
+
+def _write_results(args, server_args: ServerArgs, summary: dict) -> None:
+    with open(args.result_filename, "a") as f:
+        for label, result in summary.items():
+            result = {k: v for k, v in result.items() if k not in ("output_ids", "events")}
+            tags = {
+                "run_name": args.run_name,
+                "variant": label or None,
+                "tp_size": server_args.tp_size,
+                "dp_size": server_args.dp_size,
+            }
+            f.write(json.dumps(tags | result) + "\n")
 
 
 def _median_result(runs: list[dict]) -> dict:

@@ -10,6 +10,7 @@ from seq_driver import SeqDriver
 
 from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
 
 TOLERANCE = 1e-5
 MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3")
@@ -29,6 +30,23 @@ SCRIPT = [
     [("decode",), ("extend", [[8, 9, 10]], None)],  # modes differ: nobody splits
     [("decode",), ("decode",)],
 ]  # fmt: skip
+
+
+def server_args(path: str, tp: int, dp: int, backend: str, **overrides) -> ServerArgs:
+    """fp32 on CPU, a small KV pool, DP attention when ``dp > 1``."""
+    kwargs = dict(
+        model_path=path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=1024,
+        max_running_requests=16,
+        chunked_prefill_size=64,
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        moe_a2a_backend=backend,
+    )
+    return ServerArgs(**(kwargs | overrides))
 
 
 def logprobs(out) -> tuple:

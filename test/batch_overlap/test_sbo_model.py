@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from overlap_script import MODELS, assert_same, run_script
+from overlap_script import MODELS, assert_same, run_script, server_args
 from run_ranks import run_ranks
 
 from srt.distributed.parallel_state import init_parallel_state
@@ -26,21 +26,10 @@ class Layout:
     num_blocks: int | None = None
 
     def server_args(self, path: str, sbo: bool) -> ServerArgs:
-        return ServerArgs(
-            model_path=path,
-            dtype="float32",
-            device="cpu",
-            max_total_tokens=1024,
-            max_running_requests=16,
-            chunked_prefill_size=64,
-            tp_size=self.tp,
-            dp_size=self.dp,
-            enable_dp_attention=self.dp > 1,
-            moe_a2a_backend="torch",
-            deepep_mode="normal",
-            enable_single_batch_overlap=sbo,
-            sbo_num_blocks=self.num_blocks if sbo else None,
-        )
+        return server_args(
+            path, self.tp, self.dp, "torch", deepep_mode="normal",
+            enable_single_batch_overlap=sbo, sbo_num_blocks=self.num_blocks if sbo else None,
+        )  # fmt: skip
 
 
 def sbo_worker(rank: int, n: int, init_method: str, layout: Layout, paths: dict) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from overlap_script import MODELS, assert_same, run_script
+from overlap_script import MODELS, assert_same, run_script, server_args
 from run_ranks import run_ranks
 
 from srt.distributed.parallel_state import init_parallel_state
@@ -37,23 +37,12 @@ class Layout:
     deepep_mode: str = "normal"
 
     def server_args(self, path: str, tbo: bool) -> ServerArgs:
-        return ServerArgs(
-            model_path=path,
-            dtype="float32",
-            device="cpu",
-            max_total_tokens=1024,
-            max_running_requests=16,
-            chunked_prefill_size=64,
-            tp_size=self.tp,
-            dp_size=self.dp,
-            enable_dp_attention=self.dp > 1,
-            moe_a2a_backend=self.backend,
-            deepep_mode=self.deepep_mode,
-            max_dispatch_tokens_per_rank=64,
-            enable_two_batch_overlap=tbo,
-            tbo_decode_token_threshold=0,
+        return server_args(
+            path, self.tp, self.dp, self.backend,
+            deepep_mode=self.deepep_mode, max_dispatch_tokens_per_rank=64,
+            enable_two_batch_overlap=tbo, tbo_decode_token_threshold=0,
             tbo_prefill_token_threshold=0,
-        )
+        )  # fmt: skip
 
 
 def tbo_worker(rank: int, n: int, init_method: str, layout: Layout, paths: dict) -> dict:
