@@ -215,10 +215,19 @@ def _hf_model(server_args: ServerArgs, runner: ModelRunner):
 
 
 def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, init) -> None:
-    """One rank's whole benchmark; rank 0 prints and writes the results."""
+    """One rank's whole benchmark; rank 0 prints and writes the results. The process groups
+    are destroyed before the process exits (gloo's threads abort an exit that finds them)."""
     parallel = None
     if server_args.tp_size > 1:
         parallel = init_rank_parallel_state(server_args, init, rank)
+    try:
+        _bench(rank, args, server_args, parallel)
+    finally:
+        if parallel is not None:
+            parallel.destroy()
+
+
+def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, parallel) -> None:
     verbose = rank == 0
     configs = list(itertools.product(args.batch_size, args.input_len, args.output_len))
     max_tokens = max(b * (i + o) for b, i, o in configs)
