@@ -132,17 +132,12 @@ def _run_stage(
 
 def execute_operations(
     state: LayerState,
-    operations: Sequence[Operation | OperationItem],
+    operations: Sequence[OperationItem],
     observer: OperationObserver | None = None,
 ) -> None:
     """The plain path: every operation once, in order; yields are ignored."""
-    for op in operations:
-        if isinstance(op, YieldOperation):
-            continue
-        if observer is None or not isinstance(op, ExecutionOperation):
-            op(state)
-        else:
-            observer.run(op, state, "plain")
+    ops = [op for op in operations if not isinstance(op, YieldOperation)]
+    _run_stage(ops, state, observer, "plain")
 
 
 def execute_overlapped_operations(

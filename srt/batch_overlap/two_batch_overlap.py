@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,6 @@ from srt.batch_overlap.operations import (
 from srt.batch_overlap.operations_strategy import OperationsStrategy
 from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len, round_up
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from srt.models.decoder_layer import MoEDecoderLayer
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
 
@@ -254,17 +250,15 @@ def _set_dp_fields(
 
 # ---------------------------------------------------------------------------------- running
 def run_layers_overlapped(
-    layers: Sequence[MoEDecoderLayer],
+    strategy: OperationsStrategy,
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     batch: ForwardBatch,
-    mode: ForwardMode,
     observer: OperationObserver | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layers`` on the two children of ``batch``, interleaved by the layers' operations
-    strategy for ``mode`` (the global mode); the children's outputs concatenated back in the
-    parent's token order."""
-    strategy = OperationsStrategy.init_new_tbo(layers, mode)
+    """The overlapped layers' ``strategy`` (for the step's global mode) on the two children of
+    ``batch``, interleaved; the children's outputs concatenated back in the parent's token
+    order."""
     states = []
     for child in batch.tbo_children:
         t0, t1 = child.tbo_parent_token_range

@@ -90,7 +90,10 @@ class ModelRunner:
         self._init_memory_pools()
         self.tbo_config = TboConfig.from_server_args(server_args)
         self.attn_backend = (
-            TboAttnBackend.init_new(TorchNativeAttnBackend)
+            TboAttnBackend.init_new(
+                TorchNativeAttnBackend,
+                parent_attends_when_split=self.model.model.tbo_start_layer > 0,
+            )
             if self.tbo_config.enabled
             else TorchNativeAttnBackend()
         )

@@ -14,7 +14,11 @@ from srt.batch_overlap.operations import (
     OperationObserver,
     execute_operations,
 )
-from srt.batch_overlap.operations_strategy import OperationsFamily, layer_operations
+from srt.batch_overlap.operations_strategy import (
+    OperationsFamily,
+    OperationsStrategy,
+    layer_operations,
+)
 from srt.batch_overlap.two_batch_overlap import run_layers_overlapped
 from srt.distributed.communication_op import all_reduce
 from srt.distributed.parallel_state import ParallelState
@@ -50,6 +54,7 @@ class MoEDecoderLayer(nn.Module):
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
         self.sbo_flags = ctx.options.sbo_flags
+        self._operations: dict[ForwardMode, list[OperationItem]] = {}  # built once per mode
 
     @property
     def is_moe(self) -> bool:
@@ -81,7 +86,10 @@ class MoEDecoderLayer(nn.Module):
         return op
 
     def get_operations(self, forward_mode: ForwardMode) -> list[OperationItem]:
-        return layer_operations(self, forward_mode, self.sbo_flags).operations
+        if forward_mode not in self._operations:
+            ops = layer_operations(self, forward_mode, self.sbo_flags).operations
+            self._operations[forward_mode] = ops
+        return self._operations[forward_mode]
 
     def forward(
         self,
@@ -121,6 +129,14 @@ class MoEModel(nn.Module):
             (i for i, layer in enumerate(self.layers) if layer.is_moe), len(self.layers)
         )
         self.operation_observer: OperationObserver | None = None  # set by the ModelRunner
+        self._tbo_strategies: dict[ForwardMode, OperationsStrategy] = {}  # built once per mode
+
+    def tbo_strategy(self, mode: ForwardMode) -> OperationsStrategy:
+        """The overlapped layers' operations, concatenated, for the step's global mode."""
+        if mode not in self._tbo_strategies:
+            layers = self.layers[self.tbo_start_layer :]
+            self._tbo_strategies[mode] = OperationsStrategy.init_new_tbo(layers, mode)
+        return self._tbo_strategies[mode]
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         # Each rank embeds the ids of its vocabulary shard (zeros elsewhere): sum them.
@@ -130,9 +146,8 @@ class MoEModel(nn.Module):
         for layer in self.layers[:end]:
             hidden, residual = layer(positions, hidden, residual, batch, observer)
         if end < len(self.layers):
-            hidden, residual = run_layers_overlapped(
-                self.layers[end:], hidden, residual, batch, strategy_mode(batch), observer
-            )
+            strategy = self.tbo_strategy(strategy_mode(batch))
+            hidden, residual = run_layers_overlapped(strategy, hidden, residual, batch, observer)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

@@ -4,7 +4,8 @@ A primary backend serves the whole batch (the dense layers before the overlapped
 every unsplit step); two child backends serve the micro-batches, one each, so that a backend
 keeping per-batch state in itself (index buffers, CUDA-graph inputs) never has it overwritten
 by the other micro-batch while both are alive. Child metadata is initialised only for
-non-empty children.
+non-empty children. The whole batch's metadata is skipped on a split step when the model has
+no layer before the overlapped part (``parent_attends_when_split`` False): nothing reads it.
 """
 
 from __future__ import annotations
@@ -19,18 +20,27 @@ if TYPE_CHECKING:
 
 
 class TboAttnBackend(AttentionBackend):
-    def __init__(self, primary: AttentionBackend, children: list[AttentionBackend]):
+    def __init__(
+        self,
+        primary: AttentionBackend,
+        children: list[AttentionBackend],
+        parent_attends_when_split: bool = True,
+    ):
         if len(children) != 2:
             raise ValueError(f"two-batch overlap has two micro-batches, got {len(children)}")
         self.primary = primary
         self.children = children
+        self.parent_attends_when_split = parent_attends_when_split
 
     @classmethod
-    def init_new(cls, creator: Callable[[], AttentionBackend]) -> TboAttnBackend:
-        return cls(creator(), [creator(), creator()])
+    def init_new(
+        cls, creator: Callable[[], AttentionBackend], parent_attends_when_split: bool = True
+    ) -> TboAttnBackend:
+        return cls(creator(), [creator(), creator()], parent_attends_when_split)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self.primary.init_forward_metadata(batch)
+        if not batch.tbo_children or self.parent_attends_when_split:
+            self.primary.init_forward_metadata(batch)
         for child, backend in zip(batch.tbo_children or (), self.children):
             child.attn_backend = backend
             if child.num_tokens:
