@@ -223,7 +223,7 @@ class ServerArgs:
             "overlap",
             "Inside one batch, launch the MoE combine block by block as the experts' "
             "down-projections finish, and run shared experts while the dispatch is in flight. "
-            "Needs --moe-a2a-backend torch --deepep-mode normal; excludes two-batch overlap.",
+            "Needs --moe-a2a-backend torch (any --deepep-mode); excludes two-batch overlap.",
         ),
     )
     sbo_num_blocks: int | None = field(
@@ -232,6 +232,14 @@ class ServerArgs:
             "overlap",
             "Blocks of local experts for --enable-single-batch-overlap's combine; default: "
             "min(4, local experts).",
+        ),
+    )
+    sbo_communication_sms: int | None = field(
+        default=None,
+        metadata=_arg(
+            "overlap",
+            "CUDA: SMs left to --enable-single-batch-overlap's combine (its nccl CTAs) while the "
+            "down-projection GEMMs run on the others; default 3, 32 on Blackwell.",
         ),
     )
     enable_operation_profile: bool = field(

@@ -88,12 +88,22 @@ def check_overlap(self: ServerArgs) -> None:
 
 
 def _check_single_batch_overlap(self: ServerArgs) -> None:
-    if self.sbo_num_blocks is not None and self.sbo_num_blocks < 1:
-        raise ValueError(f"--sbo-num-blocks {self.sbo_num_blocks}: must be ≥ 1")
+    sms = self.sbo_communication_sms
+    for flag, value in (
+        ("--sbo-num-blocks", self.sbo_num_blocks),
+        ("--sbo-communication-sms", sms),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be ≥ 1")
+        if value is not None and not self.enable_single_batch_overlap:
+            raise ValueError(f"{flag} needs --enable-single-batch-overlap")
     if not self.enable_single_batch_overlap:
-        if self.sbo_num_blocks is not None:
-            raise ValueError("--sbo-num-blocks needs --enable-single-batch-overlap")
         return
+    if sms is not None and self.device != "cuda":
+        raise ValueError(
+            "--sbo-communication-sms splits a CUDA device's SMs; on CPU the combine runs in "
+            "the communication library's threads (drop the flag)"
+        )
     if self.enable_two_batch_overlap:
         raise ValueError(
             "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
@@ -102,11 +112,6 @@ def _check_single_batch_overlap(self: ServerArgs) -> None:
     if self.moe_a2a_backend == "none":
         raise ValueError(
             "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"
-        )
-    if self.moe_a2a_backend == "torch" and self.deepep_mode != "normal":
-        raise ValueError(
-            "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "
-            f"normal (got {self.deepep_mode}); set --deepep-mode normal"
         )
 
 

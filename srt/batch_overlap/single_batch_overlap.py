@@ -17,12 +17,26 @@ received them, slots in top-k order), the sender from the ids it sent (``Combine
 per block, which of its tokens each returning row belongs to, and how many rows each rank
 returns), because both use the same blocks.
 
-On CUDA the same code runs with the collectives on the communication library's own stream; a
-dedicated alternate stream with an SM split and the DeepEP / DeepGEMM signal path are not built.
+Where the block combines run (:func:`make_combine_stream`):
+- CPU (gloo): each block's collective is launched from the calling thread and progresses in
+  gloo's background threads while the next block's down-projection computes; ``combine_b``
+  waits for each in turn and adds its rows into the tokens.
+- CUDA: on an alternate, high-priority stream. After each block's down-projection the compute
+  stream records an event; the alternate stream waits for it, launches the block's all-to-all
+  (nccl orders it after the alternate stream), waits for it and adds the block's rows into the
+  output, so the receive-side reduction leaves the compute stream too; ``combine_b`` makes the
+  compute stream wait for the alternate one. The SMs are split (:class:`SmSplit`): the EP
+  combine group is an nccl group limited to ``communicate`` CTAs (one per SM), and the blocked
+  down-projection GEMMs leave those SMs free (cuBLASLt's SM carve-out).
+The DeepEP / DeepGEMM signal path (combine kernels polling a per-block signal written by the
+down GEMM) belongs to a DeepEP dispatcher, which srt does not have: ``--moe-a2a-backend deepep``
+is refused at start-up, and SBO with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +141,103 @@ def compute_overlap_args(
         CombineOverlapArgs(nb, list(token_idx.split(recvs.sum(dim=1).tolist())), recvs.tolist()),
         DownGemmOverlapArgs(nb, list(rows.split(sizes)), list(slots.split(sizes)), sends.tolist()),
     )
+
+
+# ----------------------------------------------------------------------------- CUDA SM split
+DEFAULT_COMMUNICATE_SMS = 3
+BLACKWELL_COMMUNICATE_SMS = 32  # Blackwell's combine needs more SMs to keep up (SGLang's value)
+
+
+@dataclass(frozen=True)
+class SmSplit:
+    """How a CUDA device's SMs are shared while a blocked combine overlaps the down GEMMs."""
+
+    total: int
+    communicate: int
+
+    @property
+    def compute(self) -> int:
+        return self.total - self.communicate
+
+    @classmethod
+    def resolve(cls, total: int, capability_major: int, override: int | None) -> SmSplit:
+        """``override``: ``--sbo-communication-sms``; default 3, 32 on Blackwell (sm_10x)."""
+        if override is None:
+            blackwell = capability_major == 10
+            override = BLACKWELL_COMMUNICATE_SMS if blackwell else DEFAULT_COMMUNICATE_SMS
+        if not 1 <= override < total:
+            raise ValueError(
+                f"--sbo-communication-sms {override}: must be in [1, {total}) on this "
+                f"device ({total} SMs)"
+            )
+        return cls(total, override)
+
+    @classmethod
+    def for_device(cls, device: torch.device, override: int | None) -> SmSplit:
+        props = torch.cuda.get_device_properties(device)
+        return cls.resolve(props.multi_processor_count, props.major, override)
+
+
+# ------------------------------------------------------------------ where block combines run
+class HostCombineStream:
+    """CPU: collectives progress in the communication library's threads; every wait and
+    reduction happens at ``join`` (``combine_b``), in launch order."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[object, Callable[[], None]]] = []
+
+    def submit(self, launch: Callable[[], object], reduce: Callable[[], None]) -> None:
+        """``launch()`` starts the block's exchange and returns something with ``wait()``;
+        ``reduce()`` adds the received rows once it is done."""
+        self._pending.append((launch(), reduce))
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, reduce in pending:
+            work.wait()
+            reduce()
+
+    def compute_sms(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class CudaCombineStream:
+    """CUDA: block combines on an alternate stream (see the module docstring). The tensors a
+    block uses are allocated on the compute stream and kept alive by the caller until after
+    ``join``, so the caching allocator cannot hand their memory out early."""
+
+    def __init__(self, device: torch.device, sm_split: SmSplit):
+        self.device, self.sm_split = device, sm_split
+        self.stream = torch.cuda.Stream(device, priority=-1)
+
+    def submit(self, launch: Callable[[], object], reduce: Callable[[], None]) -> None:
+        ready = torch.cuda.Event()
+        ready.record()  # on the compute stream, after the block's down-projection
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            launch().wait()  # a stream dependency on nccl's stream: the host does not block
+            reduce()
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    @contextlib.contextmanager
+    def compute_sms(self) -> Iterator[None]:
+        """GEMMs issued inside leave ``sm_split.communicate`` SMs to the combine."""
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(self.sm_split.communicate)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+
+
+def make_combine_stream(
+    device: torch.device | str, communicate_sms: int | None = None
+) -> HostCombineStream | CudaCombineStream:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaCombineStream(device, SmSplit.for_device(device, communicate_sms))
+    if communicate_sms is not None:
+        raise ValueError("--sbo-communication-sms applies to CUDA devices only")
+    return HostCombineStream()

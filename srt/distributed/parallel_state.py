@@ -20,6 +20,9 @@ Design
   ranks, so the token dispatchers can split a large exchange by link direction (one gloo group
   streams one way at a time; see ``srt.layers.moe.token_dispatcher.torch_a2a``). nccl
   all-to-alls are full duplex already, so it is not created there.
+- ``moe_ep_combine``: with single-batch overlap on nccl, an EP device group of its own for the
+  blocked combine, on a high-priority stream and limited to ``sbo_combine_ctas`` CTAs (one per
+  SM): the communication side of SBO's SM split (``srt.batch_overlap.single_batch_overlap``).
 - No module-level state: :func:`init_parallel_state` returns a :class:`ParallelState` that is
   passed to whoever needs it, and ``destroy()`` releases its groups. The pure layout lives in
   :class:`ParallelConfig`, testable without processes.
@@ -111,6 +114,7 @@ class ParallelState:
     moe_ep: GroupCoordinator
     moe_tp: GroupCoordinator
     moe_ep_duplex: dist.ProcessGroup | None = None  # second EP device group (gloo, a2a only)
+    moe_ep_combine: dist.ProcessGroup | None = None  # SBO's combine group (nccl only)
     owns_world: bool = False  # init_parallel_state created the default process group
     destroyed: bool = field(default=False, repr=False)
 
@@ -196,8 +200,9 @@ class ParallelState:
             for c in (self.world, self.attn_tp, self.moe_ep, self.moe_tp)
             for g in (c.device_group, c.cpu_group)
         }
-        if self.moe_ep_duplex is not None:
-            own[id(self.moe_ep_duplex)] = self.moe_ep_duplex
+        for extra in (self.moe_ep_duplex, self.moe_ep_combine):
+            if extra is not None:
+                own[id(extra)] = extra
         for group in own.values():
             if group is not dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
@@ -215,9 +220,10 @@ def build_parallel_state(
     config: ParallelConfig,
     device: torch.device | str | None = None,
     timeout: timedelta | None = None,
+    sbo_combine_ctas: int | None = None,
 ) -> ParallelState:
     """Create every group of ``config`` on an initialised default process group. Collective:
-    all ranks call it with the same config."""
+    all ranks call it with the same config. ``sbo_combine_ctas``: see ``moe_ep_combine``."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; use init_parallel_state")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -240,6 +246,7 @@ def build_parallel_state(
         moe_ep=make("moe_ep", config.moe_ep_group_ranks()),
         moe_tp=make("moe_tp", config.moe_tp_group_ranks()),
         moe_ep_duplex=_duplex_group(config, rank, timeout),
+        moe_ep_combine=_combine_group(config, rank, timeout, sbo_combine_ctas),
     )
 
 
@@ -257,6 +264,22 @@ def _duplex_group(
     return mine
 
 
+def _combine_group(
+    config: ParallelConfig, rank: int, timeout: timedelta | None, ctas: int | None
+) -> dist.ProcessGroup | None:
+    """SBO's EP combine group on nccl (see the module docstring); collective like new_group."""
+    if ctas is None or config.moe_a2a_backend == "none" or dist.get_backend() != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    options.config.max_ctas = ctas
+    mine = None
+    for ranks in config.moe_ep_group_ranks():
+        group = dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=options)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def init_parallel_state(
     world_size: int,
     rank: int,
@@ -269,6 +292,7 @@ def init_parallel_state(
     ep_size: int | None = None,
     device: torch.device | str | None = None,
     timeout: timedelta | None = None,
+    sbo_combine_ctas: int | None = None,
 ) -> ParallelState:
     """Initialise torch.distributed (unless already done) and build this rank's groups.
 
@@ -281,7 +305,7 @@ def init_parallel_state(
     elif dist.get_rank() != rank:
         raise ValueError(f"rank {rank} != the initialised rank {dist.get_rank()}")
     try:
-        state = build_parallel_state(config, device, timeout)
+        state = build_parallel_state(config, device, timeout, sbo_combine_ctas)
     except BaseException:
         if owns_world:
             dist.destroy_process_group()

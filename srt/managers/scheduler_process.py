@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
+from srt.batch_overlap.single_batch_overlap import SmSplit
 from srt.distributed.communication_op import broadcast_object
 from srt.distributed.group_coordinator import GroupCoordinator
 from srt.distributed.parallel_state import ParallelState, init_parallel_state
@@ -149,7 +150,16 @@ def init_rank_parallel_state(
         backend="nccl" if on_cuda else "gloo",
         init_method=port_args.dist_init_method,
         device=None if on_cuda else "cpu",
+        sbo_combine_ctas=_sbo_combine_ctas(server_args, tp_rank) if on_cuda else None,
     )
+
+
+def _sbo_combine_ctas(server_args: ServerArgs, tp_rank: int) -> int | None:
+    """Single-batch overlap on CUDA: the SMs (nccl CTAs) its combine group may use."""
+    if not server_args.enable_single_batch_overlap:
+        return None
+    device = torch.device("cuda", tp_rank % torch.cuda.device_count())
+    return SmSplit.for_device(device, server_args.sbo_communication_sms).communicate
 
 
 def run_scheduler_process(

@@ -45,6 +45,7 @@ class ModelOptions:
     enable_two_batch_overlap: bool = False
     enable_single_batch_overlap: bool = False
     sbo_num_blocks: int | None = None  # None: default_num_blocks(local experts)
+    sbo_communication_sms: int | None = None  # CUDA only; None: SmSplit's default
 
     @classmethod
     def from_server_args(cls, server_args) -> ModelOptions:
@@ -55,6 +56,7 @@ class ModelOptions:
             server_args.enable_two_batch_overlap,
             server_args.enable_single_batch_overlap,
             server_args.sbo_num_blocks,
+            server_args.sbo_communication_sms,
         )
 
     @property
@@ -140,6 +142,8 @@ class ModelContext:
                     max_dispatch_tokens_per_rank=opts.max_dispatch_tokens_per_rank,
                     device=p.device,
                     sbo_num_blocks=sbo_blocks,
+                    sbo_communication_sms=opts.sbo_communication_sms,
+                    combine_group=p.moe_ep_combine,
                     counts_group=p.moe_ep.cpu_group if p.moe_ep_size > 1 else None,
                 )
             )

@@ -57,12 +57,13 @@ def test_engine_with_tbo_equals_without(case, tiny_models, unsplit):
     assert sum(n for s in states for n in s["num_tbo_steps"].values()) > 0, states
 
 
-def test_engine_with_sbo_equals_without(tiny_models, unsplit):
-    model, kwargs = CASES["qwen3-normal"]
+@pytest.mark.parametrize("case", ["qwen3-normal", "deepseek_v3-low_latency"])
+def test_engine_with_sbo_equals_without(case, tiny_models, unsplit):
+    model, kwargs = CASES[case]
     outputs, states = run_engine(
         tiny_models[model], TWICE, with_state=True, enable_single_batch_overlap=True, **kwargs
     )
-    assert_same_outputs(outputs, unsplit["qwen3-normal"], TOLERANCE)
+    assert_same_outputs(outputs, unsplit[case], TOLERANCE)
     for state in states:  # every forward of every group ran SBO
         assert state["num_sbo_steps"] == state["num_non_tbo_steps"], state
         assert state["num_sbo_steps"].get("extend", 0) > 0, state

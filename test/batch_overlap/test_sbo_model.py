@@ -1,5 +1,5 @@
 """Single-batch overlap is exact, model level: every rank builds the same model with SBO off
-and on (``--moe-a2a-backend torch --deepep-mode normal``) and replays the overlap script
+and on (``--moe-a2a-backend torch``, every ``--deepep-mode``) and replays the overlap script
 (extends with and without cached prefixes, decodes, an idle DP group whose batch is empty);
 log-probabilities agree to 1e-5 (fp32) and greedy tokens are identical, for Qwen3-MoE,
 DeepSeek-V2 and DeepSeek-V3. Small batches leave some local experts of some ranks without
@@ -24,10 +24,11 @@ class Layout:
     tp: int
     dp: int
     num_blocks: int | None = None
+    mode: str = "normal"
 
     def server_args(self, path: str, sbo: bool) -> ServerArgs:
         return server_args(
-            path, self.tp, self.dp, "torch", deepep_mode="normal",
+            path, self.tp, self.dp, "torch", deepep_mode=self.mode,
             enable_single_batch_overlap=sbo, sbo_num_blocks=self.num_blocks if sbo else None,
         )  # fmt: skip
 
@@ -52,8 +53,16 @@ def sbo_worker(rank: int, n: int, init_method: str, layout: Layout, paths: dict)
 
 @pytest.mark.parametrize(
     "layout",
-    [Layout(2, 1), Layout(4, 4), Layout(4, 4, num_blocks=3), Layout(2, 2, num_blocks=1)],
-    ids=lambda lay: f"tp{lay.tp}-dp{lay.dp}-blocks{lay.num_blocks or 'default'}",
+    [
+        Layout(2, 1),
+        Layout(4, 4),
+        Layout(4, 4, num_blocks=3),
+        Layout(2, 2, num_blocks=1),
+        Layout(2, 2, mode="low_latency"),
+        Layout(4, 4, mode="low_latency"),
+        Layout(4, 4, num_blocks=3, mode="auto"),
+    ],
+    ids=lambda lay: f"tp{lay.tp}-dp{lay.dp}-blocks{lay.num_blocks or 'default'}-{lay.mode}",
 )
 def test_sbo_equals_plain(tiny_models, layout):
     models = MODELS if layout.num_blocks is None else MODELS[::2]

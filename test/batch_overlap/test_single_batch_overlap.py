@@ -1,5 +1,6 @@
 """Single-batch overlap without a model: the block partition, the blocked-combine layout
-(``compute_overlap_args``) against a brute-force reading of the same routing, and the flags."""
+(``compute_overlap_args``) against a brute-force reading of the same routing, the flags, the
+SM split and the CPU combine stream."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 
 from srt.batch_overlap.single_batch_overlap import (
     SboFlags,
+    SmSplit,
     compute_overlap_args,
     default_num_blocks,
+    make_combine_stream,
     partition_blocks,
 )
 from srt.server_args import ServerArgs
@@ -71,11 +74,12 @@ def test_flags():
         (dict(moe_a2a_backend="torch", deepep_mode="normal", enable_two_batch_overlap=True),
          "exclude each other"),
         (dict(tp_size=2), "needs an all-to-all"),
-        (dict(tp_size=2, moe_a2a_backend="torch"), "--deepep-mode normal"),
-        (dict(tp_size=2, moe_a2a_backend="torch", deepep_mode="low_latency",
-              chunked_prefill_size=64, max_running_requests=64), "--deepep-mode normal"),
         (dict(tp_size=2, moe_a2a_backend="torch", deepep_mode="normal", sbo_num_blocks=0),
-         "--sbo-num-blocks"),
+         "--sbo-num-blocks 0: must be ≥ 1"),
+        (dict(tp_size=2, moe_a2a_backend="torch", sbo_communication_sms=0),
+         "--sbo-communication-sms 0: must be ≥ 1"),
+        (dict(tp_size=2, moe_a2a_backend="torch", sbo_communication_sms=8),
+         "--sbo-communication-sms splits a CUDA device's SMs"),
     ],
 )  # fmt: skip
 def test_invalid_sbo_flags(qwen3_moe_path, kwargs, message):
@@ -85,6 +89,55 @@ def test_invalid_sbo_flags(qwen3_moe_path, kwargs, message):
         )
 
 
-def test_sbo_num_blocks_needs_sbo(qwen3_moe_path):
+@pytest.mark.parametrize("flag", ["sbo_num_blocks", "sbo_communication_sms"])
+def test_sbo_tuning_needs_sbo(qwen3_moe_path, flag):
     with pytest.raises(ValueError, match="needs --enable-single-batch-overlap"):
-        ServerArgs(model_path=qwen3_moe_path, device="cpu", sbo_num_blocks=2)
+        ServerArgs(model_path=qwen3_moe_path, device="cpu", **{flag: 2})
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "auto"])
+def test_sbo_accepts_every_dispatch_mode(qwen3_moe_path, mode):
+    args = ServerArgs(
+        model_path=qwen3_moe_path, device="cpu", tp_size=2, moe_a2a_backend="torch",
+        deepep_mode=mode, chunked_prefill_size=64, max_running_requests=64,
+        enable_single_batch_overlap=True,
+    )  # fmt: skip
+    assert args.enable_single_batch_overlap and args.deepep_mode == mode
+
+
+@pytest.mark.parametrize(
+    "total, major, override, communicate",
+    [(132, 9, None, 3), (148, 10, None, 32), (132, 9, 16, 16), (170, 12, None, 3)],
+)
+def test_sm_split(total, major, override, communicate):
+    """SGLang's defaults: 3 SMs for the combine, 32 on Blackwell (sm_10x), or the flag's."""
+    split = SmSplit.resolve(total, major, override)
+    assert (split.communicate, split.compute) == (communicate, total - communicate)
+
+
+@pytest.mark.parametrize("override", [0, 132, 200])
+def test_sm_split_out_of_range(override):
+    with pytest.raises(ValueError, match=f"--sbo-communication-sms {override}: must be in"):
+        SmSplit.resolve(132, 9, override)
+
+
+def test_cpu_combine_stream():
+    """CPU: launches return at once; join waits and reduces in launch order; no SM split."""
+    stream, log = make_combine_stream("cpu"), []
+
+    class Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+
+    for name in ("a", "b"):
+        stream.submit(lambda n=name: log.append(f"launch {n}") or Work(n),
+                      lambda n=name: log.append(f"reduce {n}"))  # fmt: skip
+    assert log == ["launch a", "launch b"]
+    with stream.compute_sms():
+        stream.join()
+    assert log[2:] == ["wait a", "reduce a", "wait b", "reduce b"]
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        make_combine_stream("cpu", 3)

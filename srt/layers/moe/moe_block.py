@@ -106,9 +106,9 @@ class SparseMoeBlock(nn.Module):
         if not isinstance(out, _BlockedExperts):
             dispatcher.combine_a(out)
             return
-        for index in range(len(out.blocks)):
-            rows = self.experts.down_project_block(out.blocks, index, out.hidden_size)
-            dispatcher.combine_a_block(index, rows)
+        dispatcher.combine_a_blocks(
+            lambda index: self.experts.down_project_block(out.blocks, index, out.hidden_size)
+        )
 
     def op_combine_b(self, state: LayerState) -> None:
         state.put(routed_output=self.dispatcher(state).combine_b())

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,7 +88,14 @@ def _routing(case: str, rank: int, world: int, seed: int, hidden: int, dtype: to
 
 
 def _make(
-    mode: str, groups, rank: int, world: int, hidden=HIDDEN, dtype=torch.float32, cap=CAPACITY
+    mode: str,
+    groups,
+    rank: int,
+    world: int,
+    hidden=HIDDEN,
+    dtype=torch.float32,
+    cap=CAPACITY,
+    sbo_num_blocks=None,
 ):
     """With two groups, exchanges of more than DUPLEX_MIN_BYTES on a link split by direction."""
     return create_dispatcher(
@@ -101,6 +110,7 @@ def _make(
         dtype=dtype,
         max_dispatch_tokens_per_rank=cap,
         duplex_min_bytes=DUPLEX_MIN_BYTES,
+        sbo_num_blocks=sbo_num_blocks,
     )
 
 
@@ -111,6 +121,35 @@ def _through(dispatcher, local: FusedMoE, inputs, is_extend: bool, seen=None) ->
         seen.append(dispatched)
     dispatcher.combine_a(local(*dispatched))
     return dispatcher.combine_b()
+
+
+def _through_blocked(dispatcher, local: FusedMoE, inputs, is_extend: bool) -> torch.Tensor:
+    """Single-batch overlap's order: up-projections, then each block's down-projection followed
+    by its combine."""
+    dispatcher.dispatch_a(*inputs, is_extend=is_extend)
+    hidden, weights, ids = dispatcher.dispatch_b()
+    blocks = local.up_project_blocks(hidden, weights, ids, dispatcher.overlap_args)
+    dispatcher.combine_a_blocks(lambda i: local.down_project_block(blocks, i, hidden.shape[1]))
+    return dispatcher.combine_b()
+
+
+def _check_blocked(rank: int, world: int, groups) -> None:
+    """The blocked combine in every mode, with 3 blocks over 4 local experts (sizes 2, 1, 1)
+    and with one block, on every routing case; the same instance also combines unblocked."""
+    ref, local = _experts(rank, world, HIDDEN, torch.float32)
+    for mode, blocks in itertools.product(MODES, (3, 1)):
+        dispatcher = _make(mode, groups, rank, world, sbo_num_blocks=blocks)
+        for seed, case in enumerate(CASES):
+            inputs = _routing(case, rank, world, seed, HIDDEN, torch.float32)
+            for is_extend in (True, False) if mode == "auto" else (True,):
+                out = _through_blocked(dispatcher, local, inputs, is_extend)
+                _assert_matches(out, ref, inputs)
+        inputs = _routing("random", rank, world, 99, HIDDEN, torch.float32)
+        _assert_matches(_through(dispatcher, local, inputs, False), ref, inputs)
+        dispatcher.dispatch_a(*inputs, is_extend=False)
+        dispatcher.dispatch_b()
+        with pytest.raises(RuntimeError, match="combine block 1 launched after 0"):
+            dispatcher.combine_a_block(1, torch.zeros(0, HIDDEN))
 
 
 def _check_received(case: str, rank: int, world: int, dispatched) -> None:
@@ -211,6 +250,7 @@ def _worker(rank: int, world: int, num_groups: int) -> None:
     _check_interleaved(rank, world, [dist.new_group(list(range(world)))], ("auto", "auto"))
     _check_bf16_odd_hidden(rank, world, groups)
     _check_capacity(rank, world, groups)
+    _check_blocked(rank, world, groups)
 
 
 @pytest.mark.parametrize("world,num_groups", [(2, 1), (2, 2), (4, 2)])

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
 from srt.layers.moe.token_dispatcher.base import DispatchOutput, TokenDispatcher
 from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
@@ -12,7 +17,8 @@ class TorchA2AAutoDispatcher(TokenDispatcher):
     (is any DP rank extending?): every EP rank must pick the same mode, since the two modes
     issue different collectives. An idle rank follows the others. A decode step falls back to
     normal when ``global_max_tokens`` (the most tokens any EP rank dispatches, the same on
-    every rank) exceeds the low_latency capacity, which could otherwise overflow."""
+    every rank) exceeds the low_latency capacity, which could otherwise overflow. With
+    single-batch overlap both modes combine block by block (one BlockedCombine, shared)."""
 
     def __init__(self, normal: TorchA2ANormalDispatcher, low_latency: TorchA2ALowLatencyDispatcher):
         self.normal, self.low_latency = normal, low_latency
@@ -37,6 +43,17 @@ class TorchA2AAutoDispatcher(TokenDispatcher):
 
     def dispatch_b(self) -> DispatchOutput:
         return self.active.dispatch_b()
+
+    @property
+    def overlap_args(self) -> DownGemmOverlapArgs | None:
+        """Single-batch overlap: the active mode's blocked-combine layout."""
+        return None if self._active is None else self._active.overlap_args
+
+    def combine_a_block(self, index: int, block_output: torch.Tensor) -> None:
+        self.active.combine_a_block(index, block_output)
+
+    def combine_a_blocks(self, compute_block: Callable[[int], torch.Tensor]) -> None:
+        self.active.combine_a_blocks(compute_block)
 
     def combine_a(self, expert_output) -> None:
         self.active.combine_a(expert_output)

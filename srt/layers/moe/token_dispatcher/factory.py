@@ -12,6 +12,7 @@ from torch.distributed import ProcessGroup
 
 from srt.layers.moe.token_dispatcher.auto import TorchA2AAutoDispatcher
 from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine
 from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
@@ -35,13 +36,17 @@ def create_dispatcher(
     device: torch.device | str = "cpu",
     duplex_min_bytes: int = DUPLEX_MIN_BYTES,
     sbo_num_blocks: int | None = None,
+    sbo_communication_sms: int | None = None,
     counts_group: ProcessGroup | None = None,
+    combine_group: ProcessGroup | None = None,
 ) -> TokenDispatcher:
     """``groups``: the EP process group, or two over the same ranks for full duplex on gloo,
     used for exchanges whose largest link carries ≥ ``duplex_min_bytes`` (see ``torch_a2a``).
-    ``sbo_num_blocks``: single-batch overlap's blocked combine (normal mode only);
-    ``counts_group``: where the normal mode exchanges its counts (see there). Everything
-    but ``backend`` and ``deepep_mode`` is ignored for ``none``."""
+    ``sbo_num_blocks``: single-batch overlap's blocked combine, in every mode;
+    ``sbo_communication_sms`` and ``combine_group``: its SM split and its nccl group on CUDA
+    (see ``single_batch_overlap``); ``counts_group``: where the normal mode exchanges its
+    counts (see there). Everything but ``backend`` and ``deepep_mode`` is ignored for
+    ``none``."""
     if deepep_mode not in DEEPEP_MODES:
         raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODES}")
     if backend == "none":
@@ -52,22 +57,28 @@ def create_dispatcher(
     if backend != "torch":
         raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
-    normal = lambda: TorchA2ANormalDispatcher(
-        *common, duplex_min_bytes, sbo_num_blocks, counts_group
-    )
-    if sbo_num_blocks and deepep_mode != "normal":
-        raise ValueError(
-            "--enable-single-batch-overlap: the blocked combine is built for --deepep-mode "
-            f"normal, not {deepep_mode}"
+    modes: list[TorchA2ANormalDispatcher | TorchA2ALowLatencyDispatcher] = []
+    if deepep_mode != "low_latency":
+        modes.append(TorchA2ANormalDispatcher(*common, duplex_min_bytes, counts_group))
+    if deepep_mode != "normal":
+        modes.append(
+            TorchA2ALowLatencyDispatcher(
+                *common, max_dispatch_tokens_per_rank, device, duplex_min_bytes
+            )
         )
-    if deepep_mode == "normal":
-        return normal()
-    low_latency = TorchA2ALowLatencyDispatcher(
-        *common, max_dispatch_tokens_per_rank, device, duplex_min_bytes
-    )
-    if deepep_mode == "low_latency":
-        return low_latency
-    return TorchA2AAutoDispatcher(normal(), low_latency)
+    if sbo_num_blocks:
+        blocked = BlockedCombine(
+            sbo_num_blocks,
+            modes[0].layout,
+            modes[0].fmt,
+            modes[0].exchange,
+            device,
+            sbo_communication_sms,
+            combine_group,
+        )
+        for mode in modes:
+            mode.enable_blocked(blocked)  # one dispatch at a time: they can share it
+    return modes[0] if len(modes) == 1 else TorchA2AAutoDispatcher(*modes)
 
 
 def check_deepep() -> None:

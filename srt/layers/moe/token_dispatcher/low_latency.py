@@ -13,6 +13,12 @@ header: the sender knows where it put each token) and the sender sums its tokens
 
 Capacity: a rank sends a token at most once to each rank, so ``T ≤ C`` can never overflow and is
 checked from shapes alone; only a larger batch costs a look at the counts.
+
+Single-batch overlap (``blocked``): the dispatch is unchanged; the combine goes back block by
+block of local experts with the normal mode's blocked wire (``blocked_combine``): only the valid
+rows' pairs travel, with split sizes both sides derive from the ids (the receiver reads its
+counts from the headers it received, the sender from the ids it sent), so still no count
+exchange, but no fixed shapes on the way back either.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
-from srt.layers.moe.token_dispatcher.base import DispatchOutput, TokenDispatcher
+from srt.layers.moe.token_dispatcher.base import DispatchOutput
+from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
@@ -40,12 +47,13 @@ class _Slots(NamedTuple):
     """Where one dispatch put its tokens, for the combine."""
 
     combine_slot: torch.Tensor  # [T, ep] row of the combine buffer, ep·C (a zero row) if unsent
+    topk_ids: torch.Tensor  # [T, k] (for a blocked combine)
     num_tokens: int
     weights_dtype: torch.dtype
     ids_dtype: torch.dtype
 
 
-class TorchA2ALowLatencyDispatcher(TokenDispatcher):
+class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
     """EP dispatcher with buffers of ``max_dispatch_tokens_per_rank`` rows per destination rank,
     allocated once per instance (one instance per micro-batch, so buffers never alias).
 
@@ -111,7 +119,7 @@ class TorchA2ALowLatencyDispatcher(TokenDispatcher):
         )
         combine_slot = torch.where(sends, self._ranks * c + pos, ep * c)  # [T, ep]
         self._slots = _Slots(
-            combine_slot, hidden_states.shape[0], topk_weights.dtype, topk_ids.dtype
+            combine_slot, topk_ids, hidden_states.shape[0], topk_weights.dtype, topk_ids.dtype
         )
 
     def _check_capacity(self, num_tokens: int, counts: torch.Tensor) -> None:
@@ -161,14 +169,19 @@ class TorchA2ALowLatencyDispatcher(TokenDispatcher):
             for x in self.fmt.views(self._recv_buf)
         )
         invalid, slots = ~valid.view(ep * c, 1), self._slots
+        ids = ids.masked_fill(invalid, -1)  # [ep·C, k]
+        if self.blocked is not None:
+            self.blocked.plan(slots.topk_ids, ids, [c] * ep, c)
         return DispatchOutput(
             hidden,  # [ep·C, H]
             weights.masked_fill(invalid, 0.0).to(slots.weights_dtype),  # [ep·C, k]
-            ids.masked_fill(invalid, -1).to(slots.ids_dtype),  # [ep·C, k]
+            ids.to(slots.ids_dtype),
         )
 
     def combine_a(self, expert_output: torch.Tensor) -> None:
         self._guard.enter("combine_a")
+        if self.blocked is not None:
+            self.blocked.drop()  # an unblocked combine this time
         ep, c = self.layout.ep_size, self.capacity
         if tuple(expert_output.shape) != (ep * c, self.fmt.hidden_size):
             raise ValueError(
@@ -183,6 +196,9 @@ class TorchA2ALowLatencyDispatcher(TokenDispatcher):
 
     def combine_b(self) -> torch.Tensor:
         self._guard.enter("combine_b")
+        if self.overlap_args is not None:
+            self._slots = None
+            return self.blocked.finish()
         self._pending.wait()
         slots, ep, h = self._slots, self.layout.ep_size, self.fmt.hidden_size
         parts = self._combine_buf[slots.combine_slot.flatten()]  # [T·ep, H]

@@ -13,10 +13,10 @@ Wire: rows sorted by destination rank, then token; one row per (token, rank) pai
 sends the expert outputs ``[R, H]`` back with the split sizes reversed, and the sender sums them
 per original token.
 
-Single-batch overlap (``sbo_num_blocks``): dispatch_b also works out the blocked-combine layout
-(``compute_overlap_args``); the combine then goes out block by block (``combine_a_block``, one
-async all-to-all per block of local experts, launched as each block's down-projection ends) and
-combine_b waits for every block and sums each block's rows into their tokens.
+Single-batch overlap (``blocked``): dispatch_b also plans the blocked combine
+(``blocked_combine``); the combine then goes out block by block (``combine_a_block``, one async
+all-to-all per block of local experts, launched as each block's down-projection ends) and
+combine_b waits for every block.
 """
 
 from __future__ import annotations
@@ -28,12 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from srt.batch_overlap.single_batch_overlap import (
-    CombineOverlapArgs,
-    DownGemmOverlapArgs,
-    compute_overlap_args,
-)
-from srt.layers.moe.token_dispatcher.base import DispatchOutput, TokenDispatcher
+from srt.layers.moe.token_dispatcher.base import DispatchOutput
+from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
@@ -60,7 +56,7 @@ class _Routed(NamedTuple):
     topk_ids: torch.Tensor  # [T, k] this rank's tokens' experts (for a blocked combine)
 
 
-class TorchA2ANormalDispatcher(TokenDispatcher):
+class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
     """EP dispatcher over torch.distributed all_to_all_single with exact split sizes.
 
     ``groups``: one EP process group, or two over the same ranks for full duplex on gloo (lower
@@ -80,15 +76,10 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
         hidden_size: int,
         dtype: torch.dtype,
         duplex_min_bytes: int = DUPLEX_MIN_BYTES,
-        sbo_num_blocks: int | None = None,
         counts_group: ProcessGroup | None = None,
     ):
         self.layout = EPLayout(ep_rank, ep_size, num_experts)
         self.counts_group = counts_group
-        self.sbo_num_blocks = sbo_num_blocks
-        self.overlap_args: DownGemmOverlapArgs | None = None  # this step's, with SBO
-        self._combine_args: CombineOverlapArgs | None = None
-        self._blocks: list[tuple[PendingWork, torch.Tensor, torch.Tensor]] = []
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
         self._guard = PhaseGuard()
@@ -166,43 +157,14 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
         hidden, weights, ids = self.fmt.views(self._recv)  # [R, H], [R, k], [R, k]
         self._pending = self._recv = None
         routed = self._routed
-        if self.sbo_num_blocks:
-            layout = self.layout
-            self._combine_args, self.overlap_args = compute_overlap_args(
-                self.sbo_num_blocks,
-                layout.num_local_experts,
-                layout.ep_rank,
-                layout.ep_size,
-                routed.topk_ids,
-                ids,
-                routed.recv_splits,
-            )
+        if self.blocked is not None:
+            self.blocked.plan(routed.topk_ids, ids, routed.recv_splits, routed.link_rows)
         return DispatchOutput(hidden, weights.to(routed.weights_dtype), ids.to(routed.ids_dtype))
-
-    def combine_a_block(self, index: int, block_output: torch.Tensor) -> None:
-        """SBO: launch block ``index``'s combine (blocks in order, every one of them, on every
-        rank); ``block_output`` [P, H]: the block's weighted pair outputs in pair order."""
-        if self.overlap_args is None:
-            raise RuntimeError("combine_a_block needs a dispatcher built with sbo_num_blocks")
-        if index != len(self._blocks):
-            raise RuntimeError(f"combine block {index} launched after {len(self._blocks)}")
-        if index == 0:
-            self._guard.enter("combine_a")
-        send_splits = self.overlap_args.send_splits[index]
-        recv_splits = self._combine_args.recv_splits[index]
-        send = block_output.to(self.fmt.dtype).contiguous()
-        if send.shape[0] != sum(send_splits):
-            raise ValueError(
-                f"combine block {index}: {send.shape[0]} rows, expected {sum(send_splits)}"
-            )
-        recv = send.new_empty(sum(recv_splits), self.fmt.hidden_size)
-        link_bytes = self._routed.link_rows * self.fmt.hidden_bytes  # the same on every rank
-        work = self.exchange.launch(recv, send, recv_splits, send_splits, link_bytes)
-        self._blocks.append((work, recv, send))
 
     def combine_a(self, expert_output: torch.Tensor) -> None:
         self._guard.enter("combine_a")
-        self.overlap_args = self._combine_args = None  # an unblocked combine this time
+        if self.blocked is not None:
+            self.blocked.drop()  # an unblocked combine this time
         routed = self._routed
         expected = (sum(routed.recv_splits), self.fmt.hidden_size)
         if tuple(expert_output.shape) != expected:
@@ -223,20 +185,13 @@ class TorchA2ANormalDispatcher(TokenDispatcher):
         single-rank FusedMoE accumulates its top-k the same way."""
         self._guard.enter("combine_b")
         routed = self._routed
-        out = torch.zeros(
-            routed.num_tokens, self.fmt.hidden_size, dtype=self.fmt.dtype,
-            device=routed.token_idx.device,
-        )  # fmt: skip
         if self.overlap_args is not None:
-            if len(self._blocks) != self.overlap_args.num_blocks:
-                raise RuntimeError(
-                    f"combine_b after {len(self._blocks)} of {self.overlap_args.num_blocks} blocks"
-                )
-            for (work, recv, _), token_idx in zip(self._blocks, self._combine_args.token_idx):
-                work.wait()
-                out.index_add_(0, token_idx, recv)
-            self._blocks, self.overlap_args, self._combine_args = [], None, None
+            out = self.blocked.finish()
         else:
+            out = torch.zeros(
+                routed.num_tokens, self.fmt.hidden_size, dtype=self.fmt.dtype,
+                device=routed.token_idx.device,
+            )  # fmt: skip
             self._pending.wait()
             out.index_add_(0, routed.token_idx, self._recv)  # [T, H]
         self._routed = self._pending = self._recv = self._send = None

@@ -1,0 +1,153 @@
+"""Single-batch overlap's combine, block by block, for the ``torch`` dispatchers (normal and
+low_latency alike): the wire and the layout are in ``srt.batch_overlap.single_batch_overlap``.
+
+The dispatcher plans it in ``dispatch_b`` from the ids it sent and the rows it received (no
+counts are exchanged for it), ``combine_a_block`` launches one block, ``combine_b`` finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from srt.batch_overlap.single_batch_overlap import (
+    CombineOverlapArgs,
+    DownGemmOverlapArgs,
+    compute_overlap_args,
+    make_combine_stream,
+)
+from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.torch_a2a import (
+    DuplexAllToAll,
+    EPLayout,
+    PhaseGuard,
+    RowFormat,
+)
+
+
+class BlockedCombine:
+    """One dispatcher's blocked combines, one dispatch at a time.
+
+    ``exchange``: the dispatcher's all-to-all; on CUDA ``combine_group`` (the EP group whose
+    nccl CTAs are limited to the communication SMs), when given, replaces it."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        layout: EPLayout,
+        fmt: RowFormat,
+        exchange: DuplexAllToAll,
+        device: torch.device | str = "cpu",
+        communicate_sms: int | None = None,
+        combine_group: ProcessGroup | None = None,
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"--sbo-num-blocks must be ≥ 1, got {num_blocks}")
+        self.num_blocks, self.layout, self.fmt = num_blocks, layout, fmt
+        self.exchange = exchange
+        if combine_group is not None:
+            self.exchange = DuplexAllToAll([combine_group], layout.ep_rank, layout.ep_size)
+        self.stream = make_combine_stream(device, communicate_sms)
+        self.overlap_args: DownGemmOverlapArgs | None = None  # the planned dispatch's
+        self._combine_args: CombineOverlapArgs | None = None
+        self._link_bytes = 0
+        self._out: torch.Tensor | None = None
+        self._alive: list[torch.Tensor] = []  # block buffers, kept until combine_b
+        self._launched = 0
+
+    def plan(
+        self,
+        sent_topk_ids: torch.Tensor,
+        recv_topk_ids: torch.Tensor,
+        recv_splits: list[int],
+        link_rows: int,
+    ) -> None:
+        """After a dispatch: ``link_rows``, a bound on the rows any rank returns any other
+        rank in one block, the same on every rank (it picks the collectives)."""
+        layout = self.layout
+        self._combine_args, self.overlap_args = compute_overlap_args(
+            self.num_blocks,
+            layout.num_local_experts,
+            layout.ep_rank,
+            layout.ep_size,
+            sent_topk_ids,
+            recv_topk_ids,
+            recv_splits,
+        )
+        self._link_bytes = link_rows * self.fmt.hidden_bytes
+        num_tokens, device = sent_topk_ids.shape[0], sent_topk_ids.device
+        self._out = torch.zeros(
+            num_tokens, self.fmt.hidden_size, dtype=self.fmt.dtype, device=device
+        )
+
+    def drop(self) -> None:
+        """The step combines unblocked after all (e.g. SBO off for this layer's caller)."""
+        self.overlap_args = self._combine_args = self._out = None
+
+    def launch(self, index: int, block_output: torch.Tensor) -> None:
+        """Block ``index`` (blocks in order, every one of them, on every rank); ``block_output``
+        [P, H]: the block's weighted pair outputs in the order of ``overlap_args``."""
+        if self.overlap_args is None:
+            raise RuntimeError("combine_a_block without a planned blocked combine")
+        if index != self._launched:
+            raise RuntimeError(f"combine block {index} launched after {self._launched}")
+        send_splits = self.overlap_args.send_splits[index]
+        recv_splits = self._combine_args.recv_splits[index]
+        token_idx, out = self._combine_args.token_idx[index], self._out
+        send = block_output.to(self.fmt.dtype).contiguous()
+        if send.shape[0] != sum(send_splits):
+            raise ValueError(
+                f"combine block {index}: {send.shape[0]} rows, expected {sum(send_splits)}"
+            )
+        recv = send.new_empty(sum(recv_splits), self.fmt.hidden_size)
+        self._alive += [send, recv]
+        self.stream.submit(
+            lambda: self.exchange.launch(recv, send, recv_splits, send_splits, self._link_bytes),
+            lambda: out.index_add_(0, token_idx, recv),
+        )
+        self._launched += 1
+
+    def finish(self) -> torch.Tensor:
+        """Wait for every block; → ``[T, H]``, each token's expert outputs summed."""
+        if self._launched != self.num_blocks:
+            raise RuntimeError(f"combine_b after {self._launched} of {self.num_blocks} blocks")
+        self.stream.join()
+        out = self._out
+        self._alive, self._launched = [], 0
+        self.drop()
+        return out
+
+
+class BlockedCombineDispatcher(TokenDispatcher):
+    """A ``torch`` dispatcher that can combine block by block: single-batch overlap's entry
+    points. Subclasses own ``_guard`` (their PhaseGuard), plan ``blocked`` in ``dispatch_b``
+    when it is set, drop it in an unblocked ``combine_a`` and finish it in ``combine_b``."""
+
+    blocked: BlockedCombine | None = None
+    _guard: PhaseGuard
+
+    def enable_blocked(self, blocked: BlockedCombine) -> None:
+        """Single-batch overlap: every dispatch plans a blocked combine."""
+        self.blocked = blocked
+
+    @property
+    def overlap_args(self) -> DownGemmOverlapArgs | None:
+        """This dispatch's blocked-combine layout (SBO), for the experts' down-projection."""
+        return None if self.blocked is None else self.blocked.overlap_args
+
+    def combine_a_block(self, index: int, block_output: torch.Tensor) -> None:
+        """SBO: launch block ``index``'s combine; see ``BlockedCombine.launch``."""
+        if self.overlap_args is None:
+            raise RuntimeError("combine_a_block needs a dispatcher with a blocked combine")
+        if index == 0:
+            self._guard.enter("combine_a")
+        self.blocked.launch(index, block_output)
+
+    def combine_a_blocks(self, compute_block: Callable[[int], torch.Tensor]) -> None:
+        """SBO: for each block in order, ``compute_block(index)`` (its down-projection, with
+        the communication SMs left free on CUDA), then launch its combine."""
+        with self.blocked.stream.compute_sms():
+            for index in range(self.blocked.num_blocks):
+                self.combine_a_block(index, compute_block(index))
