@@ -201,6 +201,7 @@ def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, Se
         enable_two_batch_overlap=False,
         enable_single_batch_overlap=False,
         sbo_num_blocks=None,
+        sbo_communication_sms=None,
     )
     return {f"{kind}_off": off, f"{kind}_on": server_args}
 
