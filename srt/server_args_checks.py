@@ -113,6 +113,11 @@ def _check_single_batch_overlap(self: ServerArgs) -> None:
         raise ValueError(
             "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"
         )
+    if self.tp_size < 2:
+        raise ValueError(
+            "--enable-single-batch-overlap needs an all-to-all between ranks: one rank "
+            "(--tp-size 1) has none to overlap"
+        )
 
 
 def _check_low_latency_capacity(self: ServerArgs) -> None:

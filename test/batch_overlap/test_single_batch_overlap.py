@@ -74,6 +74,7 @@ def test_flags():
         (dict(moe_a2a_backend="torch", deepep_mode="normal", enable_two_batch_overlap=True),
          "exclude each other"),
         (dict(tp_size=2), "needs an all-to-all"),
+        (dict(moe_a2a_backend="torch"), "one rank"),
         (dict(tp_size=2, moe_a2a_backend="torch", deepep_mode="normal", sbo_num_blocks=0),
          "--sbo-num-blocks 0: must be ≥ 1"),
         (dict(tp_size=2, moe_a2a_backend="torch", sbo_communication_sms=0),
