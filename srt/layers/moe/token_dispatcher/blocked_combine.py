@@ -64,8 +64,9 @@ class BlockedCombine:
         recv_splits: list[int],
         link_rows: int,
     ) -> None:
-        """After a dispatch: ``link_rows``, a bound on the rows any rank returns any other
-        rank in one block, the same on every rank (it picks the collectives)."""
+        """After a dispatch. ``link_rows``: the dispatch's largest link in rows (normal) or its
+        capacity (low_latency), the same on every rank: it decides whether a block's exchange
+        splits by link direction (``DuplexAllToAll``), identically everywhere."""
         layout = self.layout
         self._combine_args, self.overlap_args = compute_overlap_args(
             self.num_blocks,
