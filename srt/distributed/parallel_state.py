@@ -250,34 +250,34 @@ def build_parallel_state(
     )
 
 
-def _duplex_group(
-    config: ParallelConfig, rank: int, timeout: timedelta | None
-) -> dist.ProcessGroup | None:
-    """The second EP device group (see the module docstring); collective like new_group."""
-    if config.moe_a2a_backend == "none" or dist.get_backend() != "gloo":
-        return None
+def _extra_ep_group(config: ParallelConfig, rank: int, **new_group_kwargs) -> dist.ProcessGroup:
+    """One more device group per EP partition, keeping this rank's; collective like new_group."""
     mine = None
     for ranks in config.moe_ep_group_ranks():
-        group = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        group = dist.new_group(ranks, **new_group_kwargs)
         if rank in ranks:
             mine = group
     return mine
+
+
+def _duplex_group(
+    config: ParallelConfig, rank: int, timeout: timedelta | None
+) -> dist.ProcessGroup | None:
+    """The second EP device group (see the module docstring)."""
+    if config.moe_a2a_backend == "none" or dist.get_backend() != "gloo":
+        return None
+    return _extra_ep_group(config, rank, timeout=timeout, backend="gloo")
 
 
 def _combine_group(
     config: ParallelConfig, rank: int, timeout: timedelta | None, ctas: int | None
 ) -> dist.ProcessGroup | None:
-    """SBO's EP combine group on nccl (see the module docstring); collective like new_group."""
+    """SBO's EP combine group on nccl (see the module docstring)."""
     if ctas is None or config.moe_a2a_backend == "none" or dist.get_backend() != "nccl":
         return None
     options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     options.config.max_ctas = ctas
-    mine = None
-    for ranks in config.moe_ep_group_ranks():
-        group = dist.new_group(ranks, timeout=timeout, backend="nccl", pg_options=options)
-        if rank in ranks:
-            mine = group
-    return mine
+    return _extra_ep_group(config, rank, timeout=timeout, backend="nccl", pg_options=options)
 
 
 def init_parallel_state(
