@@ -6,8 +6,13 @@ Deterministic. Presets:
   and 4 attention heads: the all-to-all bytes of a token stay those of hidden 1024 while its
   compute shrinks, so that on one CPU core per node compute and communication are of the same
   order over a 1 Gbit/s link (the emulated-cluster benchmark).
+- ``small``: Qwen3-MoE, hidden 96, 3 layers, 12 experts top-3, head_dim 32: every op is tiny,
+  so per-step host overhead decides the speed (the serving comparison with vLLM).
+- ``deepseek-v3``: DeepSeek-V3 shape (MLA with kv_lora_rank 512 and rope dim 64, the only MLA
+  shape vLLM's CPU kernel takes; sigmoid grouped routing with correction bias, a shared
+  expert, one dense first layer), hidden 256, 4 layers, 16 experts top-4.
 
-    python benchmark/make_random_model.py --out-dir DIR [--preset emulated]
+    python benchmark/make_random_model.py --out-dir DIR [--preset emulated|small|deepseek-v3]
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from make_tiny_models import (
     EOS_TOKEN,
     _write_json,
     build_tokenizer,
+    deepseek_config,
+    deepseek_shapes,
     make_tensors,
     qwen3_moe_config,
     qwen3_moe_shapes,
@@ -49,7 +56,36 @@ EMULATED = {
     "moe_intermediate_size": 64,
     "intermediate_size": 256,
 }
-PRESETS = {"mid": MID_SIZE, "emulated": EMULATED}
+SMALL = {
+    "hidden_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 12,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+}
+DEEPSEEK_V3 = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 128,
+    "intermediate_size": 512,
+}
+QWEN3_MOE_PRESETS = {"mid": MID_SIZE, "emulated": EMULATED, "small": SMALL}
+PRESETS = [*QWEN3_MOE_PRESETS, "deepseek-v3"]
 
 
 def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
@@ -60,10 +96,13 @@ def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
     tok = build_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
-    cfg = qwen3_moe_config(vocab_size, eos_id) | PRESETS[preset]
-    tensors = make_tensors(
-        f"{preset}-qwen3-moe", qwen3_moe_shapes(cfg), unprintable_token_ids(tok, vocab_size)
-    )
+    if preset in QWEN3_MOE_PRESETS:
+        cfg = qwen3_moe_config(vocab_size, eos_id) | QWEN3_MOE_PRESETS[preset]
+        name, shapes = f"{preset}-qwen3-moe", qwen3_moe_shapes(cfg)
+    else:
+        cfg = deepseek_config(3, vocab_size, eos_id) | DEEPSEEK_V3
+        name, shapes = preset, deepseek_shapes(cfg)
+    tensors = make_tensors(name, shapes, unprintable_token_ids(tok, vocab_size))
     save_tokenizer(tok, out)
     save_weights(tensors, out, num_shards=4)
     _write_json(out / "config.json", cfg)  # written last: its presence means complete
@@ -73,7 +112,7 @@ def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--preset", choices=list(PRESETS), default="mid")
+    parser.add_argument("--preset", choices=PRESETS, default="mid")
     args = parser.parse_args()
     print(make_mid_size_model(args.out_dir, args.preset))
 

@@ -1,4 +1,14 @@
-"""Attention in plain PyTorch (scaled_dot_product_attention) over the paged KV cache."""
+"""Attention in plain PyTorch (scaled_dot_product_attention) over the paged KV cache.
+
+Both modes make one batched SDPA call per layer (extend: one per length group), with every
+index table and mask built once per forward in ``init_forward_metadata``:
+
+- decode: each sequence's KV slots padded to the longest sequence, and a validity mask;
+- extend: sequences grouped by length so that padding stays small (``group_extend``); each
+  group's queries are gathered into ``[b, H, Lq, D]``, its keys into ``[b, H, Lk, D]``. A group
+  without cached prefixes runs SDPA's causal kernel (padded keys lie after every valid query,
+  so causality alone hides them); a group with prefixes carries an explicit mask.
+"""
 
 from __future__ import annotations
 
@@ -13,37 +23,97 @@ from srt.layers.attention.base_attn_backend import AttentionBackend
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
 
+# A group may cost this many times its sequences' own attention work (padding included).
+MAX_PADDING_RATIO = 1.25
+
+
+@dataclass
+class ExtendGroup:
+    """Sequences attended in one SDPA call, padded to the group's longest."""
+
+    kv_indices: torch.Tensor  # [b, Lk] KV slots (0, the zeroed dummy slot, past each end)
+    q_rows: torch.Tensor  # [b, Lq] rows of q (padding repeats a valid row)
+    src: torch.Tensor | None  # [N] valid positions in the flattened [b·Lq]; None: all valid
+    dst: torch.Tensor  # [N] rows of the output they go to
+    mask: torch.Tensor | None  # [b, 1, Lq, Lk] bool; None: causal
+
 
 @dataclass
 class TorchNativeMetadata:
     # Decode: KV slot table padded to the longest sequence, and its validity mask.
     kv_indices: torch.Tensor | None = None  # [B, L]
     kv_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
-    # Extend: per sequence (slots of the whole sequence, first new token, prefix len, new len).
-    extend_items: list[tuple[torch.Tensor, int, int, int]] | None = None
+    extend_groups: list[ExtendGroup] | None = None
+
+
+def group_extend(prefix_lens: list[int], new_lens: list[int]) -> list[list[int]]:
+    """Sequence indices in groups of similar length: sorted by (has prefix, length), a group
+    grows while its padded work stays within ``MAX_PADDING_RATIO`` of its real work."""
+    order = sorted(
+        range(len(new_lens)),
+        key=lambda i: (prefix_lens[i] > 0, -(prefix_lens[i] + new_lens[i]), -new_lens[i]),
+    )
+    groups: list[list[int]] = []
+    real = max_q = max_k = 0
+    for i in order:
+        q, k = new_lens[i], prefix_lens[i] + new_lens[i]
+        if groups and (prefix_lens[groups[-1][0]] > 0) == (prefix_lens[i] > 0):
+            padded = (len(groups[-1]) + 1) * max(max_q, q) * max(max_k, k)
+            if padded <= MAX_PADDING_RATIO * (real + q * k):
+                groups[-1].append(i)
+                real, max_q, max_k = real + q * k, max(max_q, q), max(max_k, k)
+                continue
+        groups.append([i])
+        real, max_q, max_k = q * k, q, k
+    return groups
+
+
+def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> ExtendGroup:
+    device = batch.input_ids.device
+    prefix = [batch.extend_prefix_lens_cpu[i] for i in seqs]
+    new = [batch.extend_seq_lens_cpu[i] for i in seqs]
+    max_q, max_k = max(new), max(p + n for p, n in zip(prefix, new))
+    index = torch.tensor(seqs, dtype=torch.int64, device=device)
+    rows = batch.req_pool_indices[index]
+    seq_lens = torch.tensor([p + n for p, n in zip(prefix, new)], device=device)
+    kpos = torch.arange(max_k, device=device)
+    kv_indices = batch.req_to_token_pool.req_to_token[rows, :max_k]
+    kv_indices = torch.where(kpos[None, :] < seq_lens[:, None], kv_indices, 0)
+    new_t = torch.tensor(new, device=device)
+    qpos = torch.arange(max_q, device=device)
+    q_valid = qpos[None, :] < new_t[:, None]  # [b, Lq]
+    first = torch.tensor([starts[i] for i in seqs], device=device)
+    q_rows = first[:, None] + torch.minimum(qpos[None, :], new_t[:, None] - 1)
+    mask = None
+    if any(prefix):
+        last_key = torch.tensor(prefix, device=device)[:, None] + qpos[None, :]  # [b, Lq]
+        allowed = kpos[None, None, :] <= last_key[:, :, None]  # [b, Lq, Lk]
+        mask = (allowed & (kpos[None, None, :] < seq_lens[:, None, None])).unsqueeze(1)
+    if all(n == max_q for n in new):
+        return ExtendGroup(kv_indices, q_rows, None, q_rows.flatten(), mask)
+    src = q_valid.flatten().nonzero().squeeze(1)
+    return ExtendGroup(kv_indices, q_rows, src, q_rows.flatten()[src], mask)
 
 
 class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = batch.req_to_token_pool.req_to_token
         if batch.forward_mode.is_decode():
+            table = batch.req_to_token_pool.req_to_token
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
             indices = table[batch.req_pool_indices, :max_len]
             arange = torch.arange(max_len, device=indices.device)
             mask = arange[None, :] < batch.seq_lens[:, None]
             indices = torch.where(mask, indices, 0)  # padding reads the zeroed dummy slot
             batch.attn_metadata = TorchNativeMetadata(indices, mask[:, None, None, :])
-        elif batch.forward_mode.is_extend():
-            items, start = [], 0
-            rows = batch.req_pool_indices.tolist()
-            for row, prefix, new in zip(
-                rows, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-            ):
-                items.append((table[row, : prefix + new], start, prefix, new))
-                start += new
-            batch.attn_metadata = TorchNativeMetadata(extend_items=items)
+        elif batch.forward_mode.is_extend() and batch.batch_size:
+            prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+            starts = [0]
+            for n in new[:-1]:
+                starts.append(starts[-1] + n)
+            groups = [_extend_group(batch, g, starts) for g in group_extend(prefix, new)]
+            batch.attn_metadata = TorchNativeMetadata(extend_groups=groups)
         else:
-            batch.attn_metadata = TorchNativeMetadata()
+            batch.attn_metadata = TorchNativeMetadata(extend_groups=[])
 
     def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True):
         if save_kv_cache:
@@ -51,23 +121,17 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        for slots, start, prefix, new in batch.attn_metadata.extend_items:
-            query = q[start : start + new].transpose(0, 1)  # [H, E, D]
-            key = k_buf[slots].transpose(0, 1)  # [Hk, S, D]
-            value = v_buf[slots].transpose(0, 1)  # [Hk, S, Dv]
-            mask = None
-            if prefix:
-                pos = torch.arange(prefix + new, device=q.device)
-                mask = pos[None, :] <= (pos[prefix:, None])  # [E, S]
+        for group in batch.attn_metadata.extend_groups:
             o = F.scaled_dot_product_attention(
-                query,
-                _expand_kv(key, layer, dim=0),
-                _expand_kv(value, layer, dim=0),
-                attn_mask=mask,
-                is_causal=mask is None,
+                q[group.q_rows].transpose(1, 2),  # [b, H, Lq, D]
+                _expand_kv(k_buf[group.kv_indices].transpose(1, 2), layer),  # [b, H, Lk, D]
+                _expand_kv(v_buf[group.kv_indices].transpose(1, 2), layer),
+                attn_mask=group.mask,
+                is_causal=group.mask is None,
                 scale=layer.scaling,
             )
-            out[start : start + new] = o.transpose(0, 1)
+            o = o.transpose(1, 2).reshape(-1, layer.num_heads, layer.v_head_dim)  # [b·Lq, H, Dv]
+            out[group.dst] = o if group.src is None else o[group.src]
         return out
 
     def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
@@ -87,8 +151,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         return o.squeeze(2)  # [B, H, Dv]
 
 
-def _expand_kv(x: torch.Tensor, layer, dim: int) -> torch.Tensor:
-    """Repeat KV heads for grouped-query attention in extend: SDPA's own ``enable_gqa`` with a
-    causal mask takes the slow math kernel on CPU instead of the fused one."""
+def _expand_kv(x: torch.Tensor, layer) -> torch.Tensor:
+    """Repeat KV heads (dim 1) for grouped-query attention in extend: SDPA's own
+    ``enable_gqa`` with a causal mask takes the slow math kernel on CPU instead of the fused
+    one."""
     group = layer.num_heads // layer.num_kv_heads
-    return x if group == 1 else x.repeat_interleave(group, dim=dim)
+    return x if group == 1 else x.repeat_interleave(group, dim=1)

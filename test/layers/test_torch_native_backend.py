@@ -1,0 +1,111 @@
+"""The batched extend attention (length groups, one SDPA call each) equals attention computed
+sequence by sequence over the same paged KV cache, with and without cached prefixes; and the
+grouped experts equal the per-expert loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.layers.attention.torch_native_backend import (
+    MAX_PADDING_RATIO,
+    TorchNativeAttnBackend,
+    group_extend,
+)
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.layers.radix_attention import RadixAttention
+from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def test_group_extend_bounds_padding_and_covers_every_sequence():
+    prefix = [0, 0, 5, 0, 0, 7, 0]
+    new = [100, 98, 3, 1, 2, 9, 100]
+    groups = group_extend(prefix, new)
+    assert sorted(i for g in groups for i in g) == list(range(len(new)))
+    for g in groups:
+        assert len({prefix[i] > 0 for i in g}) == 1  # causal and masked groups never mix
+        real = sum(new[i] * (prefix[i] + new[i]) for i in g)
+        padded = len(g) * max(new[i] for i in g) * max(prefix[i] + new[i] for i in g)
+        assert len(g) == 1 or padded <= MAX_PADDING_RATIO * real
+    assert len(group_extend([0] * 8, [64] * 8)) == 1  # equal prompts: one call
+
+
+def _reference(q, k_buf, v_buf, table, prefix, new, layer):
+    out, start = [], 0
+    for row, (p, n) in enumerate(zip(prefix, new)):
+        slots = table[row, : p + n]
+        key = k_buf[slots].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        value = v_buf[slots].transpose(0, 1).repeat_interleave(HEADS // KV_HEADS, 0)
+        pos = torch.arange(p + n)
+        mask = pos[None, :] <= pos[p:, None]
+        query = q[start : start + n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=layer.scaling)
+        out.append(o.transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(
+    "prefix,new",
+    [([0, 0, 0], [5, 5, 5]), ([0, 0, 0, 0], [13, 1, 5, 21]), ([4, 0, 9, 2], [3, 6, 1, 7])],
+)
+def test_extend_attention_equals_per_sequence(prefix, new):
+    torch.manual_seed(0)
+    pool = MHATokenToKVPool(256, torch.float32, KV_HEADS, DIM, 1, "cpu")
+    req_pool = ReqToTokenPool(8, 64, "cpu")
+    rows = req_pool.alloc(len(new))
+    slot = 1
+    for row, (p, n) in enumerate(zip(prefix, new)):
+        req_pool.write(rows[row], 0, torch.arange(slot, slot + p + n))
+        slot += p + n
+    for layer_buf in (pool.k_buffer[0], pool.v_buffer[0]):
+        layer_buf[1:slot] = torch.randn(slot - 1, KV_HEADS, DIM)
+    new_slots = torch.cat([req_pool.req_to_token[rows[i], p : p + n]
+                           for i, (p, n) in enumerate(zip(prefix, new))])  # fmt: skip
+    total = sum(new)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(new),
+        input_ids=torch.zeros(total, dtype=torch.int64),
+        positions=torch.zeros(total, dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor([p + n for p, n in zip(prefix, new)]),
+        seq_lens_cpu=[p + n for p, n in zip(prefix, new)],
+        out_cache_loc=new_slots,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=pool,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=new,
+    )
+    layer = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, 0)
+    q, k, v = (torch.randn(total, h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    out = backend.forward_extend(q, k, v, layer, batch)
+    table = req_pool.req_to_token[rows]
+    expected = _reference(q, pool.k_buffer[0], pool.v_buffer[0], table, prefix, new, layer)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hidden,inter", [(16, 8), (12, 6)])  # grouped GEMM / looped fallback
+def test_grouped_experts_equal_per_expert_loop(hidden, inter):
+    torch.manual_seed(0)
+    moe = FusedMoE(8, hidden, inter, ep_rank=1, ep_size=2)  # experts 4..7 are local
+    torch.nn.init.normal_(moe.w13_weight)
+    torch.nn.init.normal_(moe.w2_weight)
+    x = torch.randn(10, hidden)
+    ids = torch.randint(0, 8, (10, 3))
+    ids[0] = torch.tensor([0, 1, 2])  # a token with no local expert
+    weights = torch.rand(10, 3)
+    expected = torch.zeros(10, hidden)
+    for t in range(10):
+        for j in range(3):
+            e = int(ids[t, j]) - 4
+            if 0 <= e < 4:
+                expected[t] += weights[t, j] * moe._expert(e, x[t : t + 1])[0]
+    torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
+    assert moe._can_group(x) == (hidden % 4 == 0 and inter % 4 == 0)
