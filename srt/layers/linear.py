@@ -21,6 +21,26 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
+# A CPU fp32 GEMM of a few rows against a large weight streams the weight about 4x faster as
+# W·xᵀ than as x·Wᵀ: MKL takes a GEMV-like kernel for the former and a blocked one for the
+# latter (2-4 rows: 40 against 10 GB/s, torch 2.13; equal at 1 row and from 8). Decode batches
+# and the experts of a MoE, which see a few tokens each, are such GEMMs.
+SMALL_BATCH_ROWS = 6
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear`` (x [M, K], weight [N, K] → [M, N]), with few-row CPU GEMMs as W·xᵀ."""
+    if (
+        x.dim() == 2
+        and 1 < x.shape[0] <= SMALL_BATCH_ROWS
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+    ):
+        out = torch.mm(weight, x.t()).t()
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
     copy_checked(param, loaded, name or "parameter")
 
@@ -44,7 +64,7 @@ class LinearBase(nn.Module):
         copy_checked(param, loaded, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -99,7 +119,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once (rank 0) so a sum over ranks adds it exactly once.
         bias = self.bias if self.tp_rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -7,7 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
-from srt.layers.linear import copy_checked
+from srt.layers.linear import copy_checked, linear
+
+
+# Experts whose gate/up weight is at least this large run one GEMM each (see ``_can_group``).
+GROUPED_MAX_EXPERT_BYTES = 1 << 20
 
 
 class FusedMoE(nn.Module):
@@ -92,13 +96,17 @@ class FusedMoE(nn.Module):
         return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
 
     def _can_group(self, x: torch.Tensor) -> bool:
-        """torch's grouped GEMM: on CPU, for row strides that are multiples of 16 bytes."""
+        """torch's grouped GEMM: on CPU, for row strides that are multiples of 16 bytes, and for
+        experts small enough that per-op overhead, not memory, bounds them. Large experts see
+        a few tokens each in decode, and the looped path gives those the few-row GEMM kernel
+        (``srt.layers.linear.linear``), which streams their weights several times faster."""
         align = 16 // x.element_size()
         return (
             x.device.type == "cpu"
             and hasattr(torch, "_grouped_mm")
             and x.shape[1] % align == 0
             and self.intermediate_size % align == 0
+            and self.w13_weight[0].nbytes < GROUPED_MAX_EXPERT_BYTES
         )
 
     def _grouped_experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -134,7 +142,7 @@ class FusedMoE(nn.Module):
             x, acts, begin = hidden_states[rows[order]], [], 0
             for e, n in enumerate(counts):
                 if n:
-                    gate_up = F.linear(x[begin : begin + n], self.w13_weight[e])
+                    gate_up = linear(x[begin : begin + n], self.w13_weight[e])
                     i = self.intermediate_size
                     acts.append((e, F.silu(gate_up[:, :i]) * gate_up[:, i:]))
                 begin += n
@@ -148,12 +156,12 @@ class FusedMoE(nn.Module):
         order, acts, weights = blocks[index]
         if not acts:
             return weights.new_zeros(0, hidden_size)
-        out_sorted = torch.cat([F.linear(a, self.w2_weight[e]) for e, a in acts]) * weights
+        out_sorted = torch.cat([linear(a, self.w2_weight[e]) for e, a in acts]) * weights
         out = torch.empty_like(out_sorted)
         out[order] = out_sorted
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.w13_weight[e])
+        gate_up = linear(x, self.w13_weight[e])
         h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        return F.linear(h, self.w2_weight[e])
+        return linear(h, self.w2_weight[e])
