@@ -100,6 +100,15 @@ class ServerArgs:
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )
+    cpu_decode_threads: int | None = field(
+        default=None,
+        metadata=_arg(
+            "memory",
+            "CPU: intra-op threads of each rank in decode steps. Default: the rank's share "
+            "of the cores, less one core per node for the HTTP server and detokenizer when "
+            "the model is small (under 64 MiB per rank); prefill uses the rank's share.",
+        ),
+    )
     # Parallelism
     tp_size: int = field(
         default=1,
@@ -308,6 +317,16 @@ class ServerArgs:
             "must be positive",
         )
         require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
+        require(
+            self.cpu_decode_threads is None or self.cpu_decode_threads >= 1,
+            "cpu_decode_threads",
+            "must be ≥ 1",
+        )
+        require(
+            self.cpu_decode_threads is None or self.device == "cpu",
+            "cpu_decode_threads",
+            "applies to --device cpu only",
+        )
         require(self.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
         require(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,

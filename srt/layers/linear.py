@@ -21,24 +21,48 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-# A CPU fp32 GEMM of a few rows against a large weight streams the weight about 4x faster as
-# W·xᵀ than as x·Wᵀ: MKL takes a GEMV-like kernel for the former and a blocked one for the
-# latter (2-4 rows: 40 against 10 GB/s, torch 2.13; equal at 1 row and from 8). Decode batches
-# and the experts of a MoE, which see a few tokens each, are such GEMMs.
-SMALL_BATCH_ROWS = 6
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``F.linear`` (x [M, K], weight [N, K] → [M, N]), with few-row CPU GEMMs as W·xᵀ."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a ``[N, K]`` CPU weight (fp32 or bf16), for ``linear``; None
+    where oneDNN is not available. On CPU this is several times faster than ``F.linear``
+    (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a poorly blocked one
+    for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also gives each row the
+    same result whatever the batch, so split and unsplit batches agree bit for bit.
+    Measured in ``docs/benchmarks.md``."""
     if (
-        x.dim() == 2
-        and 1 < x.shape[0] <= SMALL_BATCH_ROWS
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
     ):
-        out = torch.mm(weight, x.t()).t()
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def padded_rows(num_rows: int) -> int:
+    """oneDNN builds (JIT-compiles, a few ms) a kernel for every new row count and caches it:
+    row counts past 16 are rounded up to a few buckets (at most 1/8 padding), so that a server
+    meets each one once."""
+    if num_rows <= 16:
+        return num_rows
+    step = 1 << max(3, num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear``, through oneDNN with the ``packed`` weight when there is one."""
+    if packed is None or x.dtype != packed.dtype:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    pad = padded_rows(num_rows) - num_rows
+    if pad:
+        rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -56,6 +80,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # set by pack_weights, once loaded
 
     def local_sizes(self) -> tuple[int, int]:
         return self.input_size, self.output_size
@@ -63,8 +88,11 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         copy_checked(param, loaded, name)
 
+    def pack_weights(self) -> None:
+        self.packed_weight = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -119,7 +147,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once (rank 0) so a sum over ranks adds it exactly once.
         bias = self.bias if self.tp_rank == 0 else None
-        return linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

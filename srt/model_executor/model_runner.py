@@ -34,6 +34,7 @@ from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from srt.model_executor.cpu_threads import CpuThreads
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -98,6 +99,8 @@ class ModelRunner:
             else TorchNativeAttnBackend()
         )
         self.sampler = Sampler(server_args.random_seed)
+        model_bytes = sum(p.nbytes for p in self.model.parameters())
+        self.cpu_threads = CpuThreads.from_server_args(server_args, model_bytes)
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
         self.sbo = server_args.enable_single_batch_overlap
@@ -118,6 +121,12 @@ class ModelRunner:
         torch.manual_seed(self.server_args.random_seed)
         options = ModelOptions.from_server_args(self.server_args)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
+        if self.device.type == "cpu":
+            # oneDNN layouts of the linear and expert weights (``pack_weight``); the dense
+            # originals stay for the code paths that read them.
+            for module in self.model.modules():
+                if hasattr(module, "pack_weights"):
+                    module.pack_weights()
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype
@@ -173,6 +182,8 @@ class ModelRunner:
             self.plan_two_batch_overlap(forward_batch)
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply(forward_batch.global_forward_mode or forward_batch.forward_mode)
         self.attn_backend.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode.name.lower()
         self.forward_step_counts[(forward_batch.can_run_tbo, self.sbo, mode)] += 1

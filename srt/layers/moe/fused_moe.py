@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
-from srt.layers.linear import copy_checked, linear
-
+from srt.layers.linear import copy_checked, linear, pack_weight
 
 # Experts whose gate/up weight is at least this large run one GEMM each (see ``_can_group``).
 GROUPED_MAX_EXPERT_BYTES = 1 << 20
@@ -50,6 +49,19 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
+        # Per local expert, oneDNN layouts of w13 and w2 (set by pack_weights, once loaded).
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def pack_weights(self) -> None:
+        packed = [
+            (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
+        ]
+        self.packed = packed if packed and packed[0][0] is not None else None
+
+    def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+        """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
+        weight = (self.w13_weight, self.w2_weight)[which][e]
+        return linear(x, weight, packed=None if self.packed is None else self.packed[e][which])
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str, expert_id: int
@@ -98,8 +110,8 @@ class FusedMoE(nn.Module):
     def _can_group(self, x: torch.Tensor) -> bool:
         """torch's grouped GEMM: on CPU, for row strides that are multiples of 16 bytes, and for
         experts small enough that per-op overhead, not memory, bounds them. Large experts see
-        a few tokens each in decode, and the looped path gives those the few-row GEMM kernel
-        (``srt.layers.linear.linear``), which streams their weights several times faster."""
+        a few tokens each in decode, and the looped path gives those oneDNN's kernel on packed
+        weights (``srt.layers.linear.pack_weight``), which streams them several times faster."""
         align = 16 // x.element_size()
         return (
             x.device.type == "cpu"
@@ -142,7 +154,7 @@ class FusedMoE(nn.Module):
             x, acts, begin = hidden_states[rows[order]], [], 0
             for e, n in enumerate(counts):
                 if n:
-                    gate_up = linear(x[begin : begin + n], self.w13_weight[e])
+                    gate_up = self._linear(x[begin : begin + n], e, 0)
                     i = self.intermediate_size
                     acts.append((e, F.silu(gate_up[:, :i]) * gate_up[:, i:]))
                 begin += n
@@ -156,12 +168,12 @@ class FusedMoE(nn.Module):
         order, acts, weights = blocks[index]
         if not acts:
             return weights.new_zeros(0, hidden_size)
-        out_sorted = torch.cat([linear(a, self.w2_weight[e]) for e, a in acts]) * weights
+        out_sorted = torch.cat([self._linear(a, e, 1) for e, a in acts]) * weights
         out = torch.empty_like(out_sorted)
         out[order] = out_sorted
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.w13_weight[e])
+        gate_up = self._linear(x, e, 0)
         h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        return linear(h, self.w2_weight[e])
+        return self._linear(h, e, 1)
