@@ -50,12 +50,17 @@ def _reference(q, k_buf, v_buf, table, prefix, new, layer):
 
 
 @pytest.mark.parametrize(
-    "prefix,new",
-    [([0, 0, 0], [5, 5, 5]), ([0, 0, 0, 0], [13, 1, 5, 21]), ([4, 0, 9, 2], [3, 6, 1, 7])],
+    "prefix,new,v_dim",
+    [
+        ([0, 0, 0], [5, 5, 5], DIM),
+        ([0, 0, 0, 0], [13, 1, 5, 21], DIM),
+        ([4, 0, 9, 2], [3, 6, 1, 7], DIM),
+        ([4, 0, 9, 2], [3, 6, 1, 7], DIM // 2),  # values narrower than keys: padded
+    ],
 )
-def test_extend_attention_equals_per_sequence(prefix, new):
+def test_extend_attention_equals_per_sequence(prefix, new, v_dim):
     torch.manual_seed(0)
-    pool = MHATokenToKVPool(256, torch.float32, KV_HEADS, DIM, 1, "cpu")
+    pool = MHATokenToKVPool(256, torch.float32, KV_HEADS, DIM, 1, "cpu", v_head_dim=v_dim)
     req_pool = ReqToTokenPool(8, 64, "cpu")
     rows = req_pool.alloc(len(new))
     slot = 1
@@ -63,7 +68,7 @@ def test_extend_attention_equals_per_sequence(prefix, new):
         req_pool.write(rows[row], 0, torch.arange(slot, slot + p + n))
         slot += p + n
     for layer_buf in (pool.k_buffer[0], pool.v_buffer[0]):
-        layer_buf[1:slot] = torch.randn(slot - 1, KV_HEADS, DIM)
+        layer_buf[1:slot] = torch.randn(slot - 1, KV_HEADS, layer_buf.shape[-1])
     new_slots = torch.cat([req_pool.req_to_token[rows[i], p : p + n]
                            for i, (p, n) in enumerate(zip(prefix, new))])  # fmt: skip
     total = sum(new)
@@ -81,8 +86,9 @@ def test_extend_attention_equals_per_sequence(prefix, new):
         extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=new,
     )
-    layer = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, 0)
-    q, k, v = (torch.randn(total, h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    layer = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, 0, v_head_dim=v_dim)
+    q, k = torch.randn(total, HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    v = torch.randn(total, KV_HEADS, v_dim)
     backend = TorchNativeAttnBackend()
     backend.init_forward_metadata(batch)
     out = backend.forward_extend(q, k, v, layer, batch)

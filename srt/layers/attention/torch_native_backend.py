@@ -122,15 +122,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for group in batch.attn_metadata.extend_groups:
+            key = k_buf[group.kv_indices]
+            value = _value_like_key(key, k_buf, v_buf, group.kv_indices, layer)
             o = F.scaled_dot_product_attention(
                 q[group.q_rows].transpose(1, 2),  # [b, H, Lq, D]
-                _expand_kv(k_buf[group.kv_indices].transpose(1, 2), layer),  # [b, H, Lk, D]
-                _expand_kv(v_buf[group.kv_indices].transpose(1, 2), layer),
+                _expand_kv(key.transpose(1, 2), layer),  # [b, H, Lk, D]
+                _expand_kv(value.transpose(1, 2), layer),
                 attn_mask=group.mask,
                 is_causal=group.mask is None,
                 scale=layer.scaling,
             )
-            o = o.transpose(1, 2).reshape(-1, layer.num_heads, layer.v_head_dim)  # [b·Lq, H, Dv]
+            o = o[..., : layer.v_head_dim].transpose(1, 2)
+            o = o.reshape(-1, layer.num_heads, layer.v_head_dim)  # [b·Lq, H, Dv]
             out[group.dst] = o if group.src is None else o[group.src]
         return out
 
@@ -138,8 +141,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
-        key = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)[meta.kv_indices]
-        value = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)[meta.kv_indices]
+        k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        key = k_buf[meta.kv_indices]
+        value = _value_like_key(key, k_buf, v_buf, meta.kv_indices, layer)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
             key.transpose(1, 2),  # [B, Hk, L, D]
@@ -148,7 +153,21 @@ class TorchNativeAttnBackend(AttentionBackend):
             scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )
-        return o.squeeze(2)  # [B, H, Dv]
+        return o.squeeze(2)[..., : layer.v_head_dim]  # [B, H, Dv]
+
+
+def _value_like_key(key, k_buf, v_buf, indices: torch.Tensor, layer) -> torch.Tensor:
+    """The gathered values, as wide as the keys. SDPA's fused CPU kernel needs one head dim;
+    values narrower than keys (MLA: the latent without its rope part) would send it to the
+    math kernel, which copies K and V per head (8× slower at batch 32). The output columns past
+    ``v_head_dim`` are dropped by the caller, and each output column depends on its value
+    column alone, so they may hold anything: MLA's value buffer is the first columns of the
+    key buffer, so the gathered keys serve as values as they are; otherwise zeros pad them."""
+    if layer.v_head_dim == layer.head_dim:
+        return v_buf[indices]
+    if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():
+        return key  # v_buf is a view of the first columns of k_buf
+    return F.pad(v_buf[indices], (0, layer.head_dim - layer.v_head_dim))
 
 
 def _expand_kv(x: torch.Tensor, layer) -> torch.Tensor:
