@@ -156,15 +156,15 @@ def wait_quiet(limit: float = 0.1, timeout_s: float = 60) -> None:
             return
 
 
-def run_client(args, vllm: tuple[str, str], concurrency: int, seed: int, out_dir: Path) -> Run:
-    name = f"result-{concurrency}-{seed}.json"
+def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Path) -> Run:
+    name = f"{engine}-result-{concurrency}-{seed}.json"
     cmd = [*vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
            "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model_path,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
-    with open(out_dir / f"client-{concurrency}-{seed}.log", "w") as log:
+    with open(out_dir / f"{engine}-client-{concurrency}-{seed}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     data = json.loads((out_dir / name).read_text())
     if data.get("completed") != args.num_prompts:
@@ -188,7 +188,7 @@ def measure_engine(engine: str, args, vllm, run_index: int, results: Results, lo
         for concurrency in args.concurrency:
             # The same prompts for both engines, new ones for every run (no prefix-cache hits).
             seed = 1000 * run_index + concurrency
-            run = run_client(args, vllm, concurrency, seed, logs)
+            run = run_client(args, vllm, engine, concurrency, seed, logs)
             results.add(engine, concurrency, run)
             print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
                   f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
