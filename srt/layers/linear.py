@@ -32,6 +32,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
         or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
