@@ -245,6 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="server starts per engine")
     p.add_argument("--engines", nargs="+", choices=["srt", "vllm"], default=["srt", "vllm"])
     p.add_argument("--port", type=int, default=30100)
+    # Values that start with a dash need the = form: --srt-args="--tp 2".
     p.add_argument("--srt-args", default="", help="extra flags for srt's launch_server")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=4)

@@ -1,0 +1,65 @@
+"""compare_peer's pure parts: the commands and environments it starts each engine with, the
+vLLM CLI wrapper it writes, and the table it prints (no vLLM needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "compare_peer.py"
+
+
+@pytest.fixture(scope="module")
+def compare_peer():
+    spec = importlib.util.spec_from_file_location("compare_peer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["compare_peer"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["compare_peer"]
+
+
+def test_server_commands_and_environments(compare_peer):
+    args = compare_peer.parse_args(
+        ["--model-path", "/m", "--port", "31000", "--srt-args=--tp 2", "--vllm-args=-x"]
+    )
+    srt = compare_peer.server_command("srt", args, ("py", "cli"))
+    assert srt[1:3] == ["-m", "launch_server"] and srt[-2:] == ["--tp", "2"]
+    assert "float32" in srt and "31000" in srt
+    vllm = compare_peer.server_command("vllm", args, ("py", "cli"))
+    assert vllm[:4] == ["py", "cli", "serve", "/m"] and vllm[-1] == "-x"
+    env = compare_peer.server_env("vllm", args)
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_wrapper_maps_the_version_lookup_in_spawned_processes_too(compare_peer, tmp_path):
+    wrapper = tmp_path / "cli.py"
+    wrapper.write_text(compare_peer.WRAPPER)
+    # Run as a spawned child runs its parent's main module: the version lookup of "vllm" is
+    # mapped to "vllm-cpu" (not installed here, so the error names it), and the CLI, which
+    # would import vllm, does not start.
+    code = (
+        f"import runpy; runpy.run_path({str(wrapper)!r}, run_name='__mp_main__')\n"
+        "import importlib.metadata as m\n"
+        "try:\n    m.version('vllm')\nexcept m.PackageNotFoundError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "vllm-cpu" in out.stdout
+
+
+def test_table_reports_every_run_and_the_ratio_range(compare_peer):
+    args = compare_peer.parse_args(["--model-path", "/m", "--concurrency", "1", "8", "--runs", "2"])
+    results = compare_peer.Results()
+    for ours, peer in ((100.0, 50.0), (90.0, 100.0)):
+        results.add("srt", 1, compare_peer.Run(ours, 10.0, 2.0))
+        results.add("vllm", 1, compare_peer.Run(peer, 20.0, 3.0))
+    table = compare_peer.format_table(args, results)
+    row = next(line for line in table.splitlines() if line.startswith("| 1 |"))
+    assert "100.0 / 90.0" in row and "50.0 / 100.0" in row and "0.90–2.00×" in row
+    missing = next(line for line in table.splitlines() if line.startswith("| 8 |"))
+    assert missing.count("-") >= 3  # no runs at concurrency 8: shown as missing, not zero
