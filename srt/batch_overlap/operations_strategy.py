@@ -1,5 +1,6 @@
 """Operations strategies: which operations a layer runs, in which order, and where the stage
-boundaries (``YieldOperation``) of two-batch overlap fall (SGLang's lists, REFERENCE.md).
+boundaries (``YieldOperation``) of two-batch overlap fall (SGLang's lists for DeepSeek and
+Qwen3-MoE).
 
 A strategy is data. Each decoder layer names its family (``operations_family``, a class
 attribute set by the model file, never looked up by class name); the family gives the

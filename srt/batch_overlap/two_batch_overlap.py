@@ -1,7 +1,7 @@
 """Two-batch overlap (TBO): split a batch into two micro-batches and run the MoE layers'
 operations of both interleaved, so one computes while the other's all-to-all is in flight.
 
-Where to split (SGLang's rules, names and keywords, see REFERENCE.md):
+Where to split (SGLang's rules, names and keywords, as in its ``two_batch_overlap.py``):
 
 - Decode and target-verify split the sequences in half (each sequence has the same number of
   tokens: 1, or the draft length).

@@ -93,7 +93,7 @@ def _names(ops) -> str:
 
 
 def test_strategies_match_sglang():
-    """REFERENCE.md's lists (one layer) and deltas."""
+    """SGLang's operation lists (one layer) and deltas."""
     ds_prefill, delta = DEEPSEEK.for_mode(ForwardMode.EXTEND)
     assert delta == 0
     assert _names(ds_prefill) == (

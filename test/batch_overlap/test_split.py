@@ -1,4 +1,4 @@
-"""TBO split indices: REFERENCE.md's cases (SGLang's own unit test) and edge cases."""
+"""TBO split indices: the cases of SGLang's own unit test and edge cases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DP attention: padding modes (REFERENCE.md's cases and the edges of the MAX_LEN rule), the MLP
+"""DP attention: padding modes (SGLang's examples and the edges of the MAX_LEN rule), the MLP
 sync's global mode and padding, LM-head row counts, attention-TP chunks, the IDLE forward."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from srt.server_args import ServerArgs
 @pytest.mark.parametrize(
     "is_extend, tokens, expected",
     [
-        (False, [8, 7, 6, 0], DpPaddingMode.MAX_LEN),  # REFERENCE: decode
-        (True, [8192, 0, 0, 0, 0, 0, 0, 0], DpPaddingMode.SUM_LEN),  # REFERENCE: extend
+        (False, [8, 7, 6, 0], DpPaddingMode.MAX_LEN),  # SGLang's example: decode
+        (True, [8192, 0, 0, 0, 0, 0, 0, 0], DpPaddingMode.SUM_LEN),  # SGLang's example: extend
         (True, [4, 4, 4, 4], DpPaddingMode.SUM_LEN),  # any extend → SUM_LEN
         (False, [8, 0, 0, 0], DpPaddingMode.SUM_LEN),  # 2·8 < 8·4: padding would waste most
         (False, [8, 8, 0, 0], DpPaddingMode.MAX_LEN),  # 2·16 == 8·4: the boundary is MAX_LEN
