@@ -55,6 +55,8 @@ class KVCache(abc.ABC):
     size: int
     dtype: torch.dtype
     layer_num: int
+    # Whether a layer's value buffer is the first columns of its key buffer (MLA's latent).
+    values_in_keys: bool = False
 
     @abc.abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
@@ -106,6 +108,8 @@ class MLATokenToKVPool(KVCache):
     The key is the whole row (compressed kv, then the rotated k_pe); the value is a view of the
     first ``kv_lora_rank`` columns, so MLA attention with absorbed weights reads one buffer.
     """
+
+    values_in_keys = True
 
     def __init__(self, size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device):
         self.size, self.dtype, self.layer_num = size, dtype, layer_num

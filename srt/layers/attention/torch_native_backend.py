@@ -12,6 +12,7 @@ index table and mask built once per forward in ``init_forward_metadata``:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,9 +108,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             batch.attn_metadata = TorchNativeMetadata(indices, mask[:, None, None, :])
         elif batch.forward_mode.is_extend() and batch.batch_size:
             prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-            starts = [0]
-            for n in new[:-1]:
-                starts.append(starts[-1] + n)
+            starts = [0, *itertools.accumulate(new[:-1])]
             groups = [_extend_group(batch, g, starts) for g in group_extend(prefix, new)]
             batch.attn_metadata = TorchNativeMetadata(extend_groups=groups)
         else:
@@ -123,7 +122,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for group in batch.attn_metadata.extend_groups:
             key = k_buf[group.kv_indices]
-            value = _value_like_key(key, k_buf, v_buf, group.kv_indices, layer)
+            value = _value_like_key(key, batch.token_to_kv_pool, v_buf, group.kv_indices, layer)
             o = F.scaled_dot_product_attention(
                 q[group.q_rows].transpose(1, 2),  # [b, H, Lq, D]
                 _expand_kv(key.transpose(1, 2), layer),  # [b, H, Lk, D]
@@ -141,10 +140,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
-        k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        key = k_buf[meta.kv_indices]
-        value = _value_like_key(key, k_buf, v_buf, meta.kv_indices, layer)
+        pool = batch.token_to_kv_pool
+        key = pool.get_key_buffer(layer.layer_id)[meta.kv_indices]
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        value = _value_like_key(key, pool, v_buf, meta.kv_indices, layer)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
             key.transpose(1, 2),  # [B, Hk, L, D]
@@ -156,17 +155,17 @@ class TorchNativeAttnBackend(AttentionBackend):
         return o.squeeze(2)[..., : layer.v_head_dim]  # [B, H, Dv]
 
 
-def _value_like_key(key, k_buf, v_buf, indices: torch.Tensor, layer) -> torch.Tensor:
+def _value_like_key(key, pool, v_buf, indices: torch.Tensor, layer) -> torch.Tensor:
     """The gathered values, as wide as the keys. SDPA's fused CPU kernel needs one head dim;
     values narrower than keys (MLA: the latent without its rope part) would send it to the
     math kernel, which copies K and V per head (8× slower at batch 32). The output columns past
     ``v_head_dim`` are dropped by the caller, and each output column depends on its value
-    column alone, so they may hold anything: MLA's value buffer is the first columns of the
-    key buffer, so the gathered keys serve as values as they are; otherwise zeros pad them."""
+    column alone, so they may hold anything: where the pool's values are the first columns of
+    its keys (MLA), the gathered keys serve as values as they are; otherwise zeros pad them."""
     if layer.v_head_dim == layer.head_dim:
         return v_buf[indices]
-    if v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride():
-        return key  # v_buf is a view of the first columns of k_buf
+    if pool.values_in_keys:
+        return key
     return F.pad(v_buf[indices], (0, layer.head_dim - layer.v_head_dim))
 
 
