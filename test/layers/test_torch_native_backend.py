@@ -1,6 +1,7 @@
-"""The batched extend attention (length groups, one SDPA call each) equals attention computed
-sequence by sequence over the same paged KV cache, with and without cached prefixes; and the
-grouped experts equal the per-expert loop."""
+"""The batched extend attention (length groups, one SDPA call each) and the batched decode
+attention (query heads of one KV head as rows) equal attention computed sequence by sequence
+over the same paged KV cache, with and without cached prefixes; and the grouped experts equal
+the per-expert loop."""
 
 from __future__ import annotations
 
@@ -95,6 +96,46 @@ def test_extend_attention_equals_per_sequence(prefix, new, v_dim):
     table = req_pool.req_to_token[rows]
     expected = _reference(q, pool.k_buffer[0], pool.v_buffer[0], table, prefix, new, layer)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, KV_HEADS, HEADS])
+def test_decode_attention_equals_per_sequence(kv_heads):
+    torch.manual_seed(0)
+    seq_lens = [5, 1, 12, 7]
+    pool = MHATokenToKVPool(64, torch.float32, kv_heads, DIM, 1, "cpu")
+    req_pool = ReqToTokenPool(8, 32, "cpu")
+    rows = req_pool.alloc(len(seq_lens))
+    slots = torch.randperm(63)[: sum(seq_lens)] + 1  # scattered over the pool
+    start = 0
+    for row, n in zip(rows, seq_lens):
+        req_pool.write(row, 0, slots[start : start + n])
+        start += n
+    for layer_buf in (pool.k_buffer[0], pool.v_buffer[0]):
+        layer_buf[1:] = torch.randn(layer_buf.shape[0] - 1, kv_heads, DIM)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(seq_lens),
+        input_ids=torch.zeros(len(seq_lens), dtype=torch.int64),
+        positions=torch.tensor(seq_lens) - 1,
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=torch.zeros(0, dtype=torch.int64),
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=pool,
+    )
+    layer = RadixAttention(HEADS, DIM, DIM**-0.5, kv_heads, 0)
+    q = torch.randn(len(seq_lens), HEADS, DIM)
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    out = backend.forward_decode(q, None, None, layer, batch, save_kv_cache=False)
+    group = HEADS // kv_heads
+    for i, row in enumerate(rows):
+        table = req_pool.req_to_token[row, : seq_lens[i]]
+        key = pool.k_buffer[0][table].transpose(0, 1).repeat_interleave(group, 0)  # [H, L, D]
+        value = pool.v_buffer[0][table].transpose(0, 1).repeat_interleave(group, 0)
+        expected = F.scaled_dot_product_attention(q[i][:, None], key, value, scale=layer.scaling)
+        torch.testing.assert_close(out[i], expected[:, 0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("hidden,inter", [(16, 8), (12, 6)])  # grouped GEMM / looped fallback
