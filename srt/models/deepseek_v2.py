@@ -24,9 +24,15 @@ from srt.models.model_context import ModelContext
 
 
 class DeepseekV2MLA(nn.Module):
-    """MLA: the KV cache holds the normalised latent ``c_kv`` and the rotated ``k_pe``; queries
-    are projected into the latent space (``W_UK`` absorbed), so attention is MQA over
-    ``kv_lora_rank + qk_rope_head_dim`` and the output is lifted back with ``W_UV``.
+    """MLA: the KV cache holds the normalised latent ``c_kv`` and the rotated ``k_pe``.
+
+    Decode (one query per sequence): queries are projected into the latent space (``W_UK``
+    absorbed), so attention is MQA over ``kv_lora_rank + qk_rope_head_dim``, every head reading
+    the one cached latent, and the output is lifted back with ``W_UV``. Extend (many queries per
+    sequence): the gathered latents are expanded by ``kv_b_proj`` into per-head keys
+    ``[k_nope, k_pe]`` and values, and attention is plain MHA over ``qk_nope + qk_rope`` (as
+    HF computes it, and SGLang and vLLM in prefill): a fraction of the absorbed form's work
+    when queries outnumber the heads' shared keys.
 
     Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel by
     head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank
@@ -70,10 +76,28 @@ class DeepseekV2MLA(nn.Module):
             layer_id,
             v_head_dim=self.kv_lora_rank,
         )
+        self.attn_mha = RadixAttention(
+            self.num_heads,
+            qk_head,
+            scaling,
+            self.num_heads,
+            layer_id,
+            v_head_dim=self.v_head_dim,
+            kv_from_cache=self._kv_from_latent,
+        )
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, -1)
         return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
+
+    def _kv_from_latent(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows ``[..., 1, L + rope]`` → keys ``[..., H, nope + rope]``, values
+        ``[..., H, v]``."""
+        latent, k_pe = rows[..., 0, : self.kv_lora_rank], rows[..., 0, self.kv_lora_rank :]
+        kv = self.kv_b_proj(latent).view(*latent.shape[:-1], self.num_heads, -1)
+        k_nope, value = kv.split([self.nope, self.v_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)
+        return torch.cat((k_nope, k_pe), dim=-1), value
 
     def op_prepare_attn(self, state: LayerState) -> None:
         x = state.pop("attn_input")
@@ -87,14 +111,20 @@ class DeepseekV2MLA(nn.Module):
         kv_a, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
-        w_uk, _ = self._kv_b()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
-        k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]
+        k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
+        if state.batch.forward_mode.is_extend():
+            q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
+        else:
+            w_uk, _ = self._kv_b()
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+            q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
         state.put(attn_intermediate=(q, k, kv_a))
 
     def op_core_attn(self, state: LayerState) -> None:
         q, k, v = state.pop("attn_intermediate")
+        if state.batch.forward_mode.is_extend():
+            state.put(attn_output=self.o_proj(self.attn_mha(q, k, v, state.batch)))
+            return
         latent = self.attn(q, k, v, state.batch).view(-1, self.num_heads, self.kv_lora_rank)
         _, w_uv = self._kv_b()
         out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]

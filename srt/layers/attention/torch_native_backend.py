@@ -133,7 +133,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for group in batch.attn_metadata.extend_groups:
             key = gather_slots(k_buf, group.kv_indices)
-            value = _value_like_key(key, batch.token_to_kv_pool, v_buf, group.kv_indices, layer)
+            if layer.kv_from_cache is not None:
+                key, value = _expanded_kv(key, layer)
+            else:
+                value = _value_like_key(key, batch.token_to_kv_pool, v_buf, group.kv_indices, layer)
             o = F.scaled_dot_product_attention(
                 _group_queries(q, group).transpose(1, 2),  # [b, H, Lq, D]
                 _expand_kv(key.transpose(1, 2), layer),  # [b, H, Lk, D]
@@ -196,6 +199,15 @@ def _value_like_key(key, pool, v_buf, indices: torch.Tensor, layer) -> torch.Ten
     if pool.values_in_keys:
         return key
     return F.pad(gather_slots(v_buf, indices), (0, layer.head_dim - layer.v_head_dim))
+
+
+def _expanded_kv(rows: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values computed from gathered cache rows (``layer.kv_from_cache``), values
+    zero-padded to the keys' width for SDPA's fused kernel (see ``_value_like_key``)."""
+    key, value = layer.kv_from_cache(rows)
+    if value.shape[-1] < key.shape[-1]:
+        value = F.pad(value, (0, key.shape[-1] - value.shape[-1]))
+    return key, value
 
 
 def _expand_kv(x: torch.Tensor, layer) -> torch.Tensor:
