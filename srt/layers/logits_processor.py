@@ -80,7 +80,7 @@ class LogitsProcessor(torch.nn.Module):
         rows = kept_rows(batch)
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.int64, device=hidden_states.device)
-            hidden_states = hidden_states[index]
+            hidden_states = hidden_states.index_select(0, index)
         logits = self._logits(hidden_states, lm_head_weight, batch)
         if not batch.forward_mode.is_extend():
             return LogitsProcessorOutput(logits)

@@ -13,8 +13,8 @@ index table and mask built once per forward in ``init_forward_metadata``:
   without cached prefixes runs SDPA's causal kernel (padded keys lie after every valid query,
   so causality alone hides them); a group with prefixes carries an explicit mask.
 
-KV slots are gathered with ``index_select`` on the pool viewed as rows: several times faster on
-CPU than advanced indexing with a 2-D index.
+Rows (KV slots, queries) are gathered with ``index_select`` on tensors viewed as rows: several
+times faster on CPU than indexing with a tensor.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 out[group.first_row : group.first_row + rows] = o.reshape(rows, *o.shape[2:])
                 continue
             o = o.reshape(-1, layer.num_heads, layer.v_head_dim)  # [b·Lq, H, Dv]
-            out[group.dst] = o if group.src is None else o[group.src]
+            out[group.dst] = o if group.src is None else o.index_select(0, group.src)
         return out
 
     def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
@@ -182,7 +182,7 @@ def gather_slots(buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def _group_queries(q: torch.Tensor, group: ExtendGroup) -> torch.Tensor:
     """The group's queries ``[b, Lq, H, D]``."""
     if group.first_row is None:
-        return q[group.q_rows]
+        return gather_slots(q, group.q_rows)
     b, lq = group.q_rows.shape
     return q[group.first_row : group.first_row + b * lq].view(b, lq, *q.shape[1:])
 

@@ -96,7 +96,8 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1)
         num_local = num_tokens * top_k - int(counts[-1])
         order = order[:num_local]
-        x = hidden_states[order // top_k]  # [P, H], grouped by expert
+        # index_select: several times faster on CPU than indexing with a tensor.
+        x = hidden_states.index_select(0, order // top_k)  # [P, H], grouped by expert
         if self._can_group(x):
             out = self._grouped_experts(x, counts[:-1].cumsum(0).to(torch.int32))
         else:
@@ -151,7 +152,7 @@ class FusedMoE(nn.Module):
             local = topk_ids[rows, slots].long() - self.start
             order = torch.argsort(local, stable=True)
             counts = torch.bincount(local, minlength=self.num_local_experts).tolist()
-            x, acts, begin = hidden_states[rows[order]], [], 0
+            x, acts, begin = hidden_states.index_select(0, rows[order]), [], 0
             for e, n in enumerate(counts):
                 if n:
                     gate_up = self._linear(x[begin : begin + n], e, 0)
