@@ -194,20 +194,21 @@ def _value_like_key(key, pool, v_buf, indices: torch.Tensor, layer) -> torch.Ten
     ``v_head_dim`` are dropped by the caller, and each output column depends on its value
     column alone, so they may hold anything: where the pool's values are the first columns of
     its keys (MLA), the gathered keys serve as values as they are; otherwise zeros pad them."""
-    if layer.v_head_dim == layer.head_dim:
-        return gather_slots(v_buf, indices)
-    if pool.values_in_keys:
+    if layer.v_head_dim != layer.head_dim and pool.values_in_keys:
         return key
-    return F.pad(gather_slots(v_buf, indices), (0, layer.head_dim - layer.v_head_dim))
+    return _as_wide_as(gather_slots(v_buf, indices), key)
 
 
 def _expanded_kv(rows: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values computed from gathered cache rows (``layer.kv_from_cache``), values
-    zero-padded to the keys' width for SDPA's fused kernel (see ``_value_like_key``)."""
+    """Keys and values computed from gathered cache rows (``layer.kv_from_cache``), values as
+    wide as the keys (see ``_value_like_key``)."""
     key, value = layer.kv_from_cache(rows)
-    if value.shape[-1] < key.shape[-1]:
-        value = F.pad(value, (0, key.shape[-1] - value.shape[-1]))
-    return key, value
+    return key, _as_wide_as(value, key)
+
+
+def _as_wide_as(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    width = key.shape[-1] - value.shape[-1]
+    return F.pad(value, (0, width)) if width else value
 
 
 def _expand_kv(x: torch.Tensor, layer) -> torch.Tensor:
