@@ -8,6 +8,7 @@ from torch import nn
 
 from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
 from srt.layers.linear import copy_checked, linear, pack_weight
+from srt.layers.moe import cpu_fused_experts
 
 # Experts whose gate/up weight is at least this large run one GEMM each (see ``_can_group``).
 GROUPED_MAX_EXPERT_BYTES = 1 << 20
@@ -49,10 +50,19 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
-        # Per local expert, oneDNN layouts of w13 and w2 (set by pack_weights, once loaded).
+        # Set by pack_weights, once loaded: the CPU kernel with w13 and w2 in its panel layout
+        # (``cpu_fused_experts``), or else per local expert oneDNN layouts of w13 and w2.
+        self.kernel = None
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def pack_weights(self) -> None:
+        weights = (self.w13_weight, self.w2_weight)
+        if all(map(cpu_fused_experts.can_pack, weights)):
+            self.kernel = cpu_fused_experts.load_library()
+        if self.kernel is not None:
+            self.panels = tuple(map(cpu_fused_experts.pack_panels, weights))
+            return
         packed = [
             (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
         ]
@@ -60,6 +70,8 @@ class FusedMoE(nn.Module):
 
     def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
         """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
+        if self.panels is not None and x.dtype == torch.float32:
+            return cpu_fused_experts.expert_linear(self.kernel, x, self.panels[which][e])
         weight = (self.w13_weight, self.w2_weight)[which][e]
         return linear(x, weight, packed=None if self.packed is None else self.packed[e][which])
 
@@ -85,7 +97,12 @@ class FusedMoE(nn.Module):
 
         Ids outside this rank's range contribute nothing (they are another rank's). The
         (token, slot) pairs are sorted by expert and every expert runs on its contiguous rows:
-        one grouped GEMM per projection where the device supports it, else a loop."""
+        one grouped GEMM per projection where the device supports it, else a loop. On CPU in
+        float32 all of it is one call of the C kernel."""
+        if self.panels is not None and hidden_states.dtype == torch.float32:
+            return cpu_fused_experts.fused_experts(
+                self.kernel, hidden_states, topk_weights, topk_ids, self.start, *self.panels
+            )
         num_tokens, top_k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(hidden_states)

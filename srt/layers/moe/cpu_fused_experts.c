@@ -1,0 +1,152 @@
+/* Routed experts of one MoE layer in one call, for float32 on CPU.
+ *
+ * Decode gives each expert a few tokens, so an expert's forward is bound by reading its
+ * weights. Here every expert's weights are streamed once, in panels of PANEL output columns
+ * laid out [K][PANEL] (``pack_panels`` in cpu_fused_experts.py), by all threads of the
+ * OpenMP runtime torch itself uses, in one parallel region per layer:
+ *   1. route: (token, slot) pairs sorted by local expert (counting sort, stable);
+ *   2. gate_up = x · W13ᵀ for every active expert, panels shared out among threads;
+ *   3. act = silu(gate) · up;
+ *   4. down = act · W2ᵀ, as 2;
+ *   5. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
+ * Every output element is a sequential sum over k whatever the number of rows, so a token's
+ * result does not depend on the batch it came in (split and unsplit batches agree). */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 64 /* output columns per weight panel: 4 vectors of 16 floats */
+#define ROWS 4   /* rows per register block */
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+
+/* y[r, 0:PANEL] = Σ_k x[r, k] · panel[k, 0:PANEL] for r < n; x rows ldx apart, y rows ldy. */
+static void panel_gemm(const float *x, int64_t n, int64_t ldx, const float *panel, int64_t k_dim,
+                       float *y, int64_t ldy) {
+    for (int64_t r = 0; r < n; r += ROWS) {
+        int64_t m = n - r < ROWS ? n - r : ROWS;
+        const float *xr = x + r * ldx;
+        vec16 acc[ROWS][4];
+        memset(acc, 0, sizeof acc);
+        for (int64_t k = 0; k < k_dim; k++) {
+            const float *w = panel + k * PANEL;
+            vec16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+            for (int64_t i = 0; i < m; i++) {
+                float s = xr[i * ldx + k];
+                acc[i][0] += s * w0;
+                acc[i][1] += s * w1;
+                acc[i][2] += s * w2;
+                acc[i][3] += s * w3;
+            }
+        }
+        for (int64_t i = 0; i < m; i++)
+            for (int q = 0; q < 4; q++) store16(y + (r + i) * ldy + q * 16, acc[i][q]);
+    }
+}
+
+/* Rows [begin, begin + count) of `in` ([P, k_dim]) times the panels of every active expert:
+ * out [P, n_dim]. Work items are (active expert, panel), shared out statically. */
+static void experts_gemm(const float *in, int64_t k_dim, const float *weights, int64_t n_dim,
+                         const int64_t *active, int64_t num_active, const int64_t *begin,
+                         const int64_t *count, float *out) {
+    int64_t panels = n_dim / PANEL;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < num_active * panels; item++) {
+        int64_t e = active[item / panels], b = item % panels;
+        const float *panel = weights + (e * panels + b) * k_dim * PANEL;
+        panel_gemm(in + begin[e] * k_dim, count[e], k_dim, panel, k_dim,
+                   out + begin[e] * n_dim + b * PANEL, n_dim);
+    }
+}
+
+/* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
+ * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL]; out [T, H].
+ * Returns 0, or -1 when out of memory. */
+int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
+                          const float *weights, int64_t topk, int64_t start, int64_t num_experts,
+                          int64_t inter, const float *w13, const float *w2, float *out) {
+    int64_t pairs = num_tokens * topk, e;
+    int64_t *count = calloc(num_experts, sizeof *count);
+    int64_t *begin = malloc((num_experts + 1) * sizeof *begin);
+    int64_t *active = malloc(num_experts * sizeof *active);
+    int64_t *order = malloc((pairs + 1) * sizeof *order);
+    int64_t *position = malloc((pairs + 1) * sizeof *position);
+    if (!count || !begin || !active || !order || !position) goto oom;
+    for (int64_t p = 0; p < pairs; p++) {
+        e = ids[p] - start;
+        if (e >= 0 && e < num_experts) count[e]++;
+    }
+    int64_t num_active = 0, routed = 0;
+    for (e = 0; e < num_experts; e++) {
+        begin[e] = routed;
+        routed += count[e];
+        if (count[e]) active[num_active++] = e;
+    }
+    /* Stable counting sort: pair p goes to the next free row of its expert. */
+    memset(count, 0, num_experts * sizeof *count);
+    for (int64_t p = 0; p < pairs; p++) {
+        e = ids[p] - start;
+        position[p] = -1;
+        if (e >= 0 && e < num_experts) {
+            position[p] = begin[e] + count[e]++;
+            order[position[p]] = p;
+        }
+    }
+    /* gathered rows [routed, H] | gate_up [routed, 2I] | act [routed, I] | down [routed, H] */
+    float *rows = malloc((routed * (2 * hidden + 3 * inter) + 1) * sizeof *rows);
+    if (!rows) goto oom;
+    float *gate_up = rows + routed * hidden, *act = gate_up + routed * 2 * inter;
+    float *down = act + routed * inter;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < routed; i++)
+            memcpy(rows + i * hidden, x + order[i] / topk * hidden, hidden * sizeof *rows);
+        experts_gemm(rows, hidden, w13, 2 * inter, active, num_active, begin, count, gate_up);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < routed; i++) {
+            const float *g = gate_up + i * 2 * inter, *u = g + inter;
+            for (int64_t j = 0; j < inter; j++)
+                act[i * inter + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
+        experts_gemm(act, inter, w2, hidden, active, num_active, begin, count, down);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; t++) {
+            float *o = out + t * hidden;
+            memset(o, 0, hidden * sizeof *o);
+            for (int64_t s = 0; s < topk; s++) {
+                int64_t pos = position[t * topk + s];
+                if (pos < 0) continue;
+                float w = weights[t * topk + s];
+                const float *d = down + pos * hidden;
+                for (int64_t j = 0; j < hidden; j++) o[j] += w * d[j];
+            }
+        }
+    }
+    free(rows);
+    free(count), free(begin), free(active), free(order), free(position);
+    return 0;
+oom:
+    free(count), free(begin), free(active), free(order), free(position);
+    return -1;
+}
+
+/* One expert's projection: y [n, N] = x [n, K] · Wᵀ, W packed [N/PANEL][K][PANEL]. */
+void srt_expert_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
+                           int64_t n_dim, float *y) {
+    int64_t num_panels = n_dim / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < num_panels; b++)
+        panel_gemm(x, n, k_dim, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
+}

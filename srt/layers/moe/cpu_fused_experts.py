@@ -1,0 +1,153 @@
+"""The routed experts of a layer in one C call on CPU (``cpu_fused_experts.c``), for float32.
+
+The C file is compiled on first use with the machine's C compiler for the machine's own
+instruction set, into a cache directory keyed by the source, the compiler and the processor
+(``$XDG_CACHE_HOME/srt/kernels``, else ``~/.cache/srt/kernels``). Where there is no compiler,
+or ``SRT_CPU_FUSED_EXPERTS=0`` is set, ``load_library`` returns None and the experts run in
+PyTorch. It links OpenMP, which resolves to the runtime torch has already loaded, so the
+kernel's threads are torch's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+PANEL = 64  # output columns per weight panel, as in the C file
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "srt" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compile(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_fused_experts-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks starting together each compile to a file of their own and rename it into place.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (disabled, or no compiler; logged once)."""
+    if os.environ.get("SRT_CPU_FUSED_EXPERTS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: routed experts run in PyTorch")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("CPU expert kernel not built (%s): routed experts run in PyTorch", detail)
+        return None
+    lib.srt_fused_experts_f32.restype = ctypes.c_int
+    lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 3
+    lib.srt_expert_linear_f32.restype = None
+    lib.srt_expert_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
+    return lib
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether stacked expert weights ``[E, N, K]`` fit the kernel: float32 on CPU, N a whole
+    number of panels."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
+        weight.shape[1] % PANEL == 0
+    )
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` → ``[E, N / PANEL, K, PANEL]``: each panel's columns contiguous per k."""
+    e, n, k = weight.shape
+    return weight.detach().view(e, n // PANEL, PANEL, k).transpose(2, 3).contiguous()
+
+
+def fused_experts(
+    lib: ctypes.CDLL,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    start: int,
+    w13_panels: torch.Tensor,
+    w2_panels: torch.Tensor,
+) -> torch.Tensor:
+    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]``."""
+    x = hidden_states.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    num_experts, _, inter, _ = w2_panels.shape
+    status = lib.srt_fused_experts_f32(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        ids.data_ptr(),
+        weights.data_ptr(),
+        ids.shape[1],
+        start,
+        num_experts,
+        inter,
+        w13_panels.data_ptr(),
+        w2_panels.data_ptr(),
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("CPU expert kernel: out of memory for its work buffers")
+    return out
+
+
+def expert_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """``x [n, K]`` times one expert's weight ``[N, K]`` transposed, from its panels
+    ``[N / PANEL, K, PANEL]``: ``[n, N]``."""
+    x = x.contiguous()
+    num_panels, k_dim, _ = panels.shape
+    out = x.new_empty(x.shape[0], num_panels * PANEL)
+    lib.srt_expert_linear_f32(
+        x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
+    )
+    return out

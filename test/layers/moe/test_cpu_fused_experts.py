@@ -1,0 +1,90 @@
+"""The C expert kernel (``cpu_fused_experts``) equals the experts computed in PyTorch, gives a
+token the same result bit for bit whatever batch it comes in, and stays off where asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.layers.moe import cpu_fused_experts
+from srt.layers.moe.fused_moe import FusedMoE
+
+pytestmark = pytest.mark.skipif(
+    cpu_fused_experts.load_library() is None, reason="no C compiler to build the kernel"
+)
+HIDDEN, INTER = 128, 96  # w13 [192, 128]: 3 panels; w2 [128, 96]: 2 panels
+
+
+def _experts(ep_rank: int = 0, ep_size: int = 1) -> tuple[FusedMoE, FusedMoE]:
+    """The same experts twice: as loaded (PyTorch) and packed for the kernel."""
+    torch.manual_seed(ep_rank)
+    plain, packed = (FusedMoE(8, HIDDEN, INTER, ep_rank=ep_rank, ep_size=ep_size) for _ in "ab")
+    torch.nn.init.normal_(plain.w13_weight, std=0.1)
+    torch.nn.init.normal_(plain.w2_weight, std=0.1)
+    packed.load_state_dict(plain.state_dict())
+    packed.pack_weights()
+    assert packed.panels is not None and plain.panels is None
+    return plain, packed
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 37])
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_kernel_equals_pytorch(num_tokens, ep_rank):
+    plain, packed = _experts(ep_rank, ep_size=2)  # this rank holds experts 4·rank .. 4·rank+3
+    x = torch.randn(num_tokens, HIDDEN)
+    ids = torch.randint(0, 8, (num_tokens, 3))
+    if num_tokens:
+        ids[0] = torch.tensor([4, 5, 6]) - 4 * ep_rank  # all of them on the other rank
+        ids[-1, 0] = -1  # a slot masked by the dispatcher
+    weights = torch.rand(num_tokens, 3)
+    out = packed(x, weights, ids)
+    torch.testing.assert_close(out, plain(x, weights, ids), atol=1e-5, rtol=1e-5)
+    if num_tokens:
+        assert torch.equal(out[0], torch.zeros(HIDDEN))
+
+
+def test_a_token_gets_the_same_bits_in_any_batch():
+    _, packed = _experts()
+    x = torch.randn(24, HIDDEN)
+    ids = torch.randint(0, 8, (24, 2))
+    weights = torch.rand(24, 2)
+    whole = packed(x, weights, ids)
+    halves = torch.cat([packed(x[:7], weights[:7], ids[:7]), packed(x[7:], weights[7:], ids[7:])])
+    assert torch.equal(whole, halves)
+    alone = torch.cat([packed(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(24)])
+    assert torch.equal(whole, alone)
+
+
+def test_one_expert_projection_equals_matmul():
+    plain, packed = _experts()
+    x = torch.randn(6, HIDDEN)
+    for e in range(8):
+        torch.testing.assert_close(
+            packed._linear(x, e, 0), x @ plain.w13_weight[e].T, atol=1e-5, rtol=1e-5
+        )
+        act = torch.randn(6, INTER)
+        torch.testing.assert_close(
+            packed._linear(act, e, 1), act @ plain.w2_weight[e].T, atol=1e-5, rtol=1e-5
+        )
+
+
+def test_off_by_environment_or_without_compiler(monkeypatch):
+    try:
+        monkeypatch.setenv("SRT_CPU_FUSED_EXPERTS", "0")
+        cpu_fused_experts.load_library.cache_clear()
+        assert cpu_fused_experts.load_library() is None
+        monkeypatch.delenv("SRT_CPU_FUSED_EXPERTS")
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        cpu_fused_experts.load_library.cache_clear()
+        assert cpu_fused_experts.load_library() is None
+        moe = FusedMoE(8, HIDDEN, INTER)
+        moe.pack_weights()
+        assert moe.panels is None  # the PyTorch path, oneDNN layouts where available
+    finally:
+        cpu_fused_experts.load_library.cache_clear()
+
+
+def test_unfit_shapes_and_dtypes_are_not_packed():
+    assert not cpu_fused_experts.can_pack(torch.zeros(2, 96, 64))  # 96 columns: not whole panels
+    assert not cpu_fused_experts.can_pack(torch.zeros(2, 128, 64, dtype=torch.bfloat16))
+    assert cpu_fused_experts.can_pack(torch.zeros(2, 128, 64))
