@@ -1,10 +1,12 @@
-"""Where a ModelRunner step goes: its oneDNN GEMMs against everything else, prefill and decode.
+"""Where a ModelRunner step goes: its GEMMs (oneDNN, the expert kernel) against the rest.
 
 Runs one static batch (a prefill of ``batch × input_len`` tokens, then decode steps) through
 srt's ModelRunner on one rank, as ``bench_one_batch.py`` does, and times every call of
-``srt.layers.linear.linear`` (the linear layers and large experts; torch's grouped GEMM of
-small experts, the LM head and the router count as "other"). Prints, per run, the prefill and
-the median decode step with their GEMM and other shares.
+``srt.layers.linear.linear`` (the linear layers) and of the CPU expert kernel
+(``srt.layers.moe.cpu_fused_experts``: the whole routed-expert computation of a layer, its
+routing and SiLU included); torch's grouped GEMM of experts the kernel does not take, the LM
+head and the router count as "other". Prints, per run, the prefill and the median decode
+step with their GEMM and other shares.
 
     python benchmark/bench_step_split.py --model-path DIR --batch-size 16 --input-len 128
 """
@@ -19,22 +21,28 @@ import bench_one_batch
 
 import srt.layers.linear as linear_module
 import srt.layers.moe.fused_moe as fused_moe_module
+from srt.layers.moe import cpu_fused_experts
 from srt.server_args import ServerArgs
 
 
 class GemmTimer:
-    """Wraps ``linear`` where the layers look it up and adds up its wall time."""
+    """Wraps ``linear`` and the CPU expert kernel's entry points where the layers look them up
+    and adds up their wall time."""
 
     def __init__(self):
         self.seconds = 0.0
-        self._linear = linear_module.linear
-        linear_module.linear = fused_moe_module.linear = self
+        linear_module.linear = fused_moe_module.linear = self.timed(linear_module.linear)
+        for name in ("fused_experts", "expert_linear"):
+            setattr(cpu_fused_experts, name, self.timed(getattr(cpu_fused_experts, name)))
 
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self._linear(*args, **kwargs)
-        self.seconds += time.perf_counter() - start
-        return out
+    def timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        return wrapper
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

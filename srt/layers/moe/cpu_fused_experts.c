@@ -31,37 +31,63 @@ static inline vec16 load16(const float *p) {
 
 static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
-/* y[r, 0:PANEL] = Σ_k x[r, k] · panel[k, 0:PANEL] for r < n; x rows ldx apart, y rows ldy. */
+/* y[i, 0:PANEL] = Σ_k x[i, k] · panel[k, 0:PANEL] for i < m ≤ ROWS: the accumulators stay in
+ * registers when m is a constant (the inlined full block). */
+static inline __attribute__((always_inline)) void block_gemm(const float *x, int64_t m,
+                                                             int64_t ldx, const float *panel,
+                                                             int64_t k_dim, float *y, int64_t ldy) {
+    vec16 acc[ROWS][4];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < k_dim; k++) {
+        const float *w = panel + k * PANEL;
+        vec16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+        for (int64_t i = 0; i < m; i++) {
+            float s = x[i * ldx + k];
+            acc[i][0] += s * w0;
+            acc[i][1] += s * w1;
+            acc[i][2] += s * w2;
+            acc[i][3] += s * w3;
+        }
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int q = 0; q < 4; q++) store16(y + i * ldy + q * 16, acc[i][q]);
+}
+
+/* y[r, 0:PANEL] for r < n, in blocks of ROWS rows; x rows ldx apart, y rows ldy. */
 static void panel_gemm(const float *x, int64_t n, int64_t ldx, const float *panel, int64_t k_dim,
                        float *y, int64_t ldy) {
-    for (int64_t r = 0; r < n; r += ROWS) {
-        int64_t m = n - r < ROWS ? n - r : ROWS;
-        const float *xr = x + r * ldx;
-        vec16 acc[ROWS][4];
-        memset(acc, 0, sizeof acc);
-        for (int64_t k = 0; k < k_dim; k++) {
-            const float *w = panel + k * PANEL;
-            vec16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
-            for (int64_t i = 0; i < m; i++) {
-                float s = xr[i * ldx + k];
-                acc[i][0] += s * w0;
-                acc[i][1] += s * w1;
-                acc[i][2] += s * w2;
-                acc[i][3] += s * w3;
-            }
-        }
-        for (int64_t i = 0; i < m; i++)
-            for (int q = 0; q < 4; q++) store16(y + (r + i) * ldy + q * 16, acc[i][q]);
+    int64_t r = 0;
+    for (; r + ROWS <= n; r += ROWS) block_gemm(x + r * ldx, ROWS, ldx, panel, k_dim, y + r * ldy, ldy);
+    if (r < n) block_gemm(x + r * ldx, n - r, ldx, panel, k_dim, y + r * ldy, ldy);
+}
+
+/* act[j] = silu(gate[j]) · up[j] for j < n. exp(-g) by range reduction to 2^m · e^r with
+ * |r| ≤ ln2/2 and a degree-6 Taylor polynomial (relative error about 1e-7), written so that
+ * the compiler vectorizes it: libm's scalar expf would cost as much as the GEMMs in prefill. */
+static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        float v = -gate[j];
+        v = v < 88.0f ? v : 88.0f;
+        v = v > -87.0f ? v : -87.0f;
+        float m = (v * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+        float r = v - m * 0.693359375f + m * 2.12194440e-4f;       /* v - m·ln2, two parts */
+        float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (
+                      1.0f / 120 + r * (1.0f / 720))))));
+        int32_t bits = ((int32_t)m + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        act[j] = gate[j] / (1.0f + p * scale) * up[j];
     }
 }
 
 /* Rows [begin, begin + count) of `in` ([P, k_dim]) times the panels of every active expert:
- * out [P, n_dim]. Work items are (active expert, panel), shared out statically. */
+ * out [P, n_dim]. Work items are (active expert, panel), dealt out round-robin, so that every
+ * thread gets its share of each expert however unevenly the tokens went to experts. */
 static void experts_gemm(const float *in, int64_t k_dim, const float *weights, int64_t n_dim,
                          const int64_t *active, int64_t num_active, const int64_t *begin,
                          const int64_t *count, float *out) {
     int64_t panels = n_dim / PANEL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)
     for (int64_t item = 0; item < num_active * panels; item++) {
         int64_t e = active[item / panels], b = item % panels;
         const float *panel = weights + (e * panels + b) * k_dim * PANEL;
@@ -72,10 +98,13 @@ static void experts_gemm(const float *in, int64_t k_dim, const float *weights, i
 
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
  * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL]; out [T, H].
+ * `work` holds T·topk·(2H + 3I) floats; the caller keeps it from call to call, because fresh
+ * buffers this large are mapped anew by malloc and every first touch of a page faults.
  * Returns 0, or -1 when out of memory. */
 int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
                           const float *weights, int64_t topk, int64_t start, int64_t num_experts,
-                          int64_t inter, const float *w13, const float *w2, float *out) {
+                          int64_t inter, const float *w13, const float *w2, float *out,
+                          float *work) {
     int64_t pairs = num_tokens * topk, e;
     int64_t *count = calloc(num_experts, sizeof *count);
     int64_t *begin = malloc((num_experts + 1) * sizeof *begin);
@@ -104,8 +133,7 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
         }
     }
     /* gathered rows [routed, H] | gate_up [routed, 2I] | act [routed, I] | down [routed, H] */
-    float *rows = malloc((routed * (2 * hidden + 3 * inter) + 1) * sizeof *rows);
-    if (!rows) goto oom;
+    float *rows = work;
     float *gate_up = rows + routed * hidden, *act = gate_up + routed * 2 * inter;
     float *down = act + routed * inter;
 #pragma omp parallel
@@ -116,9 +144,8 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
         experts_gemm(rows, hidden, w13, 2 * inter, active, num_active, begin, count, gate_up);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < routed; i++) {
-            const float *g = gate_up + i * 2 * inter, *u = g + inter;
-            for (int64_t j = 0; j < inter; j++)
-                act[i * inter + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+            const float *g = gate_up + i * 2 * inter;
+            silu_mul(g, g + inter, act + i * inter, inter);
         }
         experts_gemm(act, inter, w2, hidden, active, num_active, begin, count, down);
 #pragma omp for schedule(static)
@@ -134,7 +161,6 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
             }
         }
     }
-    free(rows);
     free(count), free(begin), free(active), free(order), free(position);
     return 0;
 oom:

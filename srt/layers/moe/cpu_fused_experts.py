@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ SOURCE = Path(__file__).with_suffix(".c")
 PANEL = 64  # output columns per weight panel, as in the C file
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# Per thread, the kernel's work buffer, grown as needed and kept (see the C file).
+_work = threading.local()
 
 
 def _cache_dir() -> Path:
@@ -87,7 +90,7 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning("CPU expert kernel not built (%s): routed experts run in PyTorch", detail)
         return None
     lib.srt_fused_experts_f32.restype = ctypes.c_int
-    lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 3
+    lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 4
     lib.srt_expert_linear_f32.restype = None
     lib.srt_expert_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
     return lib
@@ -96,8 +99,10 @@ def load_library() -> ctypes.CDLL | None:
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether stacked expert weights ``[E, N, K]`` fit the kernel: float32 on CPU, N a whole
     number of panels."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
-        weight.shape[1] % PANEL == 0
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and (weight.shape[1] % PANEL == 0)
     )
 
 
@@ -122,6 +127,7 @@ def fused_experts(
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     num_experts, _, inter, _ = w2_panels.shape
+    work = _work_buffer(ids.numel() * (2 * x.shape[1] + 3 * inter))
     status = lib.srt_fused_experts_f32(
         x.data_ptr(),
         x.shape[0],
@@ -135,10 +141,18 @@ def fused_experts(
         w13_panels.data_ptr(),
         w2_panels.data_ptr(),
         out.data_ptr(),
+        work.data_ptr(),
     )
     if status:
         raise MemoryError("CPU expert kernel: out of memory for its work buffers")
     return out
+
+
+def _work_buffer(numel: int) -> torch.Tensor:
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _work.buffer = torch.empty(max(numel, 1), dtype=torch.float32)
+    return buffer
 
 
 def expert_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
