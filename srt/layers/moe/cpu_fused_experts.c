@@ -12,35 +12,61 @@
  * Every output element is a sequential sum over k whatever the number of rows, so a token's
  * result does not depend on the batch it came in (split and unsplit batches agree). */
 
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PANEL 64 /* output columns per weight panel: 4 vectors of 16 floats */
-#define ROWS 4   /* rows per register block */
+/* A vector is one register: 16 floats with AVX-512, else 8 (AVX2, NEON pairs...). A panel is
+ * 4 vectors wide, and a block of ROWS rows keeps ROWS × 4 accumulators and the panel's row of
+ * 4 vectors in registers. */
+#ifdef __AVX512F__
+#define VEC 16
+#else
+#define VEC 8
+#endif
+#define PANEL (4 * VEC) /* output columns per weight panel */
+#define ROWS 4          /* rows per register block */
 
-typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 
-static inline vec16 load16(const float *p) {
-    vec16 v;
+static inline vec load_vec(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* The panel width the Python side packs weights for. */
+int64_t srt_panel_width(void) { return PANEL; }
+
+/* Whether this build has the vector registers the blocks are sized for (x86 with AVX2 and FMA,
+ * or AVX-512); elsewhere the vectors spill and oneDNN is the faster path. */
+int srt_kernel_is_fast(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* y[i, 0:PANEL] = Σ_k x[i, k] · panel[k, 0:PANEL] for i < m ≤ ROWS: the accumulators stay in
  * registers when m is a constant (the inlined full block). */
 static inline __attribute__((always_inline)) void block_gemm(const float *x, int64_t m,
                                                              int64_t ldx, const float *panel,
                                                              int64_t k_dim, float *y, int64_t ldy) {
-    vec16 acc[ROWS][4];
+    vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < k_dim; k++) {
         const float *w = panel + k * PANEL;
-        vec16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+        vec w0 = load_vec(w), w1 = load_vec(w + VEC), w2 = load_vec(w + 2 * VEC),
+            w3 = load_vec(w + 3 * VEC);
+#if defined(__AVX__)
+        /* Keep the panel's row in registers (x86 with one register per vector): FMAs that
+         * each load it again are load-bound. */
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+#endif
         for (int64_t i = 0; i < m; i++) {
             float s = x[i * ldx + k];
             acc[i][0] += s * w0;
@@ -50,7 +76,7 @@ static inline __attribute__((always_inline)) void block_gemm(const float *x, int
         }
     }
     for (int64_t i = 0; i < m; i++)
-        for (int q = 0; q < 4; q++) store16(y + i * ldy + q * 16, acc[i][q]);
+        for (int q = 0; q < 4; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);
 }
 
 /* y[r, 0:PANEL] for r < n, in blocks of ROWS rows; x rows ldx apart, y rows ldy. */

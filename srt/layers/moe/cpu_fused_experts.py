@@ -3,9 +3,10 @@
 The C file is compiled on first use with the machine's C compiler for the machine's own
 instruction set, into a cache directory keyed by the source, the compiler and the processor
 (``$XDG_CACHE_HOME/srt/kernels``, else ``~/.cache/srt/kernels``). Where there is no compiler,
-or ``SRT_CPU_FUSED_EXPERTS=0`` is set, ``load_library`` returns None and the experts run in
-PyTorch. It links OpenMP, which resolves to the runtime torch has already loaded, so the
-kernel's threads are torch's threads.
+the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is what its register blocks are
+sized for), or ``SRT_CPU_FUSED_EXPERTS=0`` is set, ``load_library`` returns None and the
+experts run in PyTorch. It links OpenMP, which resolves to the runtime torch has already
+loaded, so the kernel's threads are torch's threads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-PANEL = 64  # output columns per weight panel, as in the C file
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # Per thread, the kernel's work buffer, grown as needed and kept (see the C file).
@@ -62,7 +62,7 @@ def _compile(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *CFLAGS, str(SOURCE), "-o", tmp],
             capture_output=True,
             text=True,
             check=True,
@@ -89,27 +89,34 @@ def load_library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         logger.warning("CPU expert kernel not built (%s): routed experts run in PyTorch", detail)
         return None
+    if not lib.srt_kernel_is_fast():
+        logger.info("no AVX2/AVX-512 on this CPU: routed experts run in PyTorch")
+        return None
     lib.srt_fused_experts_f32.restype = ctypes.c_int
     lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 4
+    lib.srt_panel_width.restype = ctypes.c_int64
+    lib.srt_panel_width.argtypes = []
     lib.srt_expert_linear_f32.restype = None
     lib.srt_expert_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
     return lib
 
 
-def can_pack(weight: torch.Tensor) -> bool:
+def can_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
     """Whether stacked expert weights ``[E, N, K]`` fit the kernel: float32 on CPU, N a whole
     number of panels."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and (weight.shape[1] % PANEL == 0)
+        and weight.shape[1] % lib.srt_panel_width() == 0
     )
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``[E, N, K]`` → ``[E, N / PANEL, K, PANEL]``: each panel's columns contiguous per k."""
+def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` → ``[E, N / P, K, P]`` for the kernel's panels of ``P`` columns: each
+    panel's columns contiguous per k."""
     e, n, k = weight.shape
-    return weight.detach().view(e, n // PANEL, PANEL, k).transpose(2, 3).contiguous()
+    p = lib.srt_panel_width()
+    return weight.detach().view(e, n // p, p, k).transpose(2, 3).contiguous()
 
 
 def fused_experts(
@@ -157,10 +164,10 @@ def _work_buffer(numel: int) -> torch.Tensor:
 
 def expert_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """``x [n, K]`` times one expert's weight ``[N, K]`` transposed, from its panels
-    ``[N / PANEL, K, PANEL]``: ``[n, N]``."""
+    ``[N / P, K, P]``: ``[n, N]``."""
     x = x.contiguous()
     num_panels, k_dim, _ = panels.shape
-    out = x.new_empty(x.shape[0], num_panels * PANEL)
+    out = x.new_empty(x.shape[0], num_panels * panels.shape[2])
     lib.srt_expert_linear_f32(
         x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
     )

@@ -58,10 +58,10 @@ class FusedMoE(nn.Module):
 
     def pack_weights(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
-        if all(map(cpu_fused_experts.can_pack, weights)):
-            self.kernel = cpu_fused_experts.load_library()
-        if self.kernel is not None:
-            self.panels = tuple(map(cpu_fused_experts.pack_panels, weights))
+        lib = cpu_fused_experts.load_library()
+        if lib is not None and all(cpu_fused_experts.can_pack(lib, w) for w in weights):
+            self.kernel = lib
+            self.panels = tuple(cpu_fused_experts.pack_panels(lib, w) for w in weights)
             return
         packed = [
             (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
