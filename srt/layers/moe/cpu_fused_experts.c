@@ -52,20 +52,22 @@ int srt_kernel_is_fast(void) {
 }
 
 /* y[i, 0:PANEL] = Σ_k x[i, k] · panel[k, 0:PANEL] for i < m ≤ ROWS: the accumulators stay in
- * registers when m is a constant (the inlined full block). */
+ * registers when m is a constant (the inlined full block). `hold` keeps the panel's row in
+ * registers too (full blocks, compute-bound): FMAs that each load it again are load-bound.
+ * Partial blocks (decode: a few rows per expert) stream the panel from memory, and there the
+ * FMAs' own loads are faster. Either way every element is the same sum in the same order. */
 static inline __attribute__((always_inline)) void block_gemm(const float *x, int64_t m,
                                                              int64_t ldx, const float *panel,
-                                                             int64_t k_dim, float *y, int64_t ldy) {
+                                                             int64_t k_dim, float *y, int64_t ldy,
+                                                             int hold) {
     vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < k_dim; k++) {
         const float *w = panel + k * PANEL;
         vec w0 = load_vec(w), w1 = load_vec(w + VEC), w2 = load_vec(w + 2 * VEC),
             w3 = load_vec(w + 3 * VEC);
-#if defined(__AVX__)
-        /* Keep the panel's row in registers (x86 with one register per vector): FMAs that
-         * each load it again are load-bound. */
-        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
+#if defined(__AVX__) /* x86, one register per vector */
+        if (hold) __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
 #endif
         for (int64_t i = 0; i < m; i++) {
             float s = x[i * ldx + k];
@@ -83,8 +85,9 @@ static inline __attribute__((always_inline)) void block_gemm(const float *x, int
 static void panel_gemm(const float *x, int64_t n, int64_t ldx, const float *panel, int64_t k_dim,
                        float *y, int64_t ldy) {
     int64_t r = 0;
-    for (; r + ROWS <= n; r += ROWS) block_gemm(x + r * ldx, ROWS, ldx, panel, k_dim, y + r * ldy, ldy);
-    if (r < n) block_gemm(x + r * ldx, n - r, ldx, panel, k_dim, y + r * ldy, ldy);
+    for (; r + ROWS <= n; r += ROWS)
+        block_gemm(x + r * ldx, ROWS, ldx, panel, k_dim, y + r * ldy, ldy, 1);
+    if (r < n) block_gemm(x + r * ldx, n - r, ldx, panel, k_dim, y + r * ldy, ldy, 0);
 }
 
 /* act[j] = silu(gate[j]) · up[j] for j < n. exp(-g) by range reduction to 2^m · e^r with
@@ -107,19 +110,21 @@ static void silu_mul(const float *gate, const float *up, float *act, int64_t n) 
 }
 
 /* Rows [begin, begin + count) of `in` ([P, k_dim]) times the panels of every active expert:
- * out [P, n_dim]. Work items are (active expert, panel), dealt out round-robin, so that every
- * thread gets its share of each expert however unevenly the tokens went to experts. */
+ * out [P, n_dim]. Inside a parallel region, each thread takes a contiguous share of every
+ * expert's panels: balanced however unevenly the tokens went to experts, and each thread
+ * streams its weights in order. Ends with a barrier. */
 static void experts_gemm(const float *in, int64_t k_dim, const float *weights, int64_t n_dim,
                          const int64_t *active, int64_t num_active, const int64_t *begin,
                          const int64_t *count, float *out) {
-    int64_t panels = n_dim / PANEL;
-#pragma omp for schedule(static, 1)
-    for (int64_t item = 0; item < num_active * panels; item++) {
-        int64_t e = active[item / panels], b = item % panels;
-        const float *panel = weights + (e * panels + b) * k_dim * PANEL;
-        panel_gemm(in + begin[e] * k_dim, count[e], k_dim, panel, k_dim,
-                   out + begin[e] * n_dim + b * PANEL, n_dim);
+    int64_t panels = n_dim / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t a = 0; a < num_active; a++) {
+        int64_t e = active[a];
+        for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
+            panel_gemm(in + begin[e] * k_dim, count[e], k_dim,
+                       weights + (e * panels + b) * k_dim * PANEL, k_dim,
+                       out + begin[e] * n_dim + b * PANEL, n_dim);
     }
+#pragma omp barrier
 }
 
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
