@@ -1,11 +1,11 @@
-"""Where a ModelRunner step goes: its GEMMs (oneDNN, the expert kernel) against the rest.
+"""Where a ModelRunner step goes: its GEMMs against everything else, prefill and decode.
 
 Runs one static batch (a prefill of ``batch × input_len`` tokens, then decode steps) through
 srt's ModelRunner on one rank, as ``bench_one_batch.py`` does, and times every call of
-``srt.layers.linear.linear`` (the linear layers) and of the CPU expert kernel
-(``srt.layers.moe.cpu_fused_experts``: the whole routed-expert computation of a layer, its
-routing and SiLU included); torch's grouped GEMM of experts the kernel does not take, the LM
-head and the router count as "other". Prints, per run, the prefill and the median decode
+``srt.layers.linear.linear`` (the linear layers, on the CPU kernels' panels or oneDNN) and of
+the CPU experts' kernel (``srt.layers.cpu_kernels.fused_experts``: a layer's routed experts,
+their routing and SiLU included); torch's grouped GEMM of experts the kernel does not take,
+the LM head and the router count as "other". Prints, per run, the prefill and the median decode
 step with their GEMM and other shares.
 
     python benchmark/bench_step_split.py --model-path DIR --batch-size 16 --input-len 128
@@ -21,19 +21,18 @@ import bench_one_batch
 
 import srt.layers.linear as linear_module
 import srt.layers.moe.fused_moe as fused_moe_module
-from srt.layers.moe import cpu_fused_experts
+from srt.layers import cpu_kernels
 from srt.server_args import ServerArgs
 
 
 class GemmTimer:
-    """Wraps ``linear`` and the CPU expert kernel's entry points where the layers look them up
-    and adds up their wall time."""
+    """Wraps ``linear`` and the CPU experts' kernel where the layers look them up and adds up
+    their wall time."""
 
     def __init__(self):
         self.seconds = 0.0
         linear_module.linear = fused_moe_module.linear = self.timed(linear_module.linear)
-        for name in ("fused_experts", "expert_linear"):
-            setattr(cpu_fused_experts, name, self.timed(getattr(cpu_fused_experts, name)))
+        cpu_kernels.fused_experts = self.timed(cpu_kernels.fused_experts)
 
     def timed(self, fn):
         def wrapper(*args, **kwargs):

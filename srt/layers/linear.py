@@ -7,9 +7,13 @@ slice is the whole tensor.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from srt.layers import cpu_kernels
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -21,13 +25,25 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked layout of a ``[N, K]`` CPU weight (fp32 or bf16), for ``linear``; None
-    where oneDNN is not available. On CPU this is several times faster than ``F.linear``
+class PanelWeight(NamedTuple):
+    """A ``[N, K]`` weight in the CPU kernels' panels, with the library that runs them."""
+
+    lib: object
+    panels: torch.Tensor
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
+    """The weight ``[N, K]`` laid out for ``linear`` on CPU: in float32, the CPU kernels'
+    panels where N fills whole panels (``srt.layers.cpu_kernels``: as fast as oneDNN for many
+    rows, faster for the few rows of decode); else oneDNN's blocked layout (fp32 or bf16);
+    None where neither is available. oneDNN on CPU is several times faster than ``F.linear``
     (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a poorly blocked one
     for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also gives each row the
     same result whatever the batch, so split and unsplit batches agree bit for bit.
     Measured in ``docs/benchmarks.md``."""
+    lib = cpu_kernels.load_library() if weight.dtype == torch.float32 else None
+    if lib is not None and cpu_kernels.can_pack(lib, weight):
+        return PanelWeight(lib, cpu_kernels.pack_panels(lib, weight))
     if (
         weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -52,10 +68,17 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | PanelWeight | None = None,
 ) -> torch.Tensor:
-    """``F.linear``, through oneDNN with the ``packed`` weight when there is one."""
-    if packed is None or x.dtype != packed.dtype:
+    """``F.linear``, through the CPU kernels or oneDNN with the ``packed`` weight when there
+    is one."""
+    if isinstance(packed, PanelWeight) and x.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_kernels.panel_linear(packed.lib, rows, packed.panels)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+    if packed is None or isinstance(packed, PanelWeight) or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
@@ -81,7 +104,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None  # set by pack_weights, once loaded
+        self.packed_weight: torch.Tensor | PanelWeight | None = None  # set by pack_weights
 
     def local_sizes(self) -> tuple[int, int]:
         return self.input_size, self.output_size

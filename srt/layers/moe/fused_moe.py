@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
-from srt.layers.linear import copy_checked, linear, pack_weight
-from srt.layers.moe import cpu_fused_experts
+from srt.layers import cpu_kernels
+from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
 
 # Experts whose gate/up weight is at least this large run one GEMM each (see ``_can_group``).
 GROUPED_MAX_EXPERT_BYTES = 1 << 20
@@ -51,17 +51,17 @@ class FusedMoE(nn.Module):
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
         # Set by pack_weights, once loaded: the CPU kernel with w13 and w2 in its panel layout
-        # (``cpu_fused_experts``), or else per local expert oneDNN layouts of w13 and w2.
+        # (``cpu_kernels``), or else per local expert oneDNN layouts of w13 and w2.
         self.kernel = None
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def pack_weights(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
-        lib = cpu_fused_experts.load_library()
-        if lib is not None and all(cpu_fused_experts.can_pack(lib, w) for w in weights):
+        lib = cpu_kernels.load_library()
+        if lib is not None and all(cpu_kernels.can_pack(lib, w) for w in weights):
             self.kernel = lib
-            self.panels = tuple(cpu_fused_experts.pack_panels(lib, w) for w in weights)
+            self.panels = tuple(cpu_kernels.pack_panels(lib, w) for w in weights)
             return
         packed = [
             (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
@@ -70,9 +70,9 @@ class FusedMoE(nn.Module):
 
     def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
         """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
-        if self.panels is not None and x.dtype == torch.float32:
-            return cpu_fused_experts.expert_linear(self.kernel, x, self.panels[which][e])
         weight = (self.w13_weight, self.w2_weight)[which][e]
+        if self.panels is not None:
+            return linear(x, weight, packed=PanelWeight(self.kernel, self.panels[which][e]))
         return linear(x, weight, packed=None if self.packed is None else self.packed[e][which])
 
     def weight_loader(
@@ -100,7 +100,7 @@ class FusedMoE(nn.Module):
         one grouped GEMM per projection where the device supports it, else a loop. On CPU in
         float32 all of it is one call of the C kernel."""
         if self.panels is not None and hidden_states.dtype == torch.float32:
-            return cpu_fused_experts.fused_experts(
+            return cpu_kernels.fused_experts(
                 self.kernel, hidden_states, topk_weights, topk_ids, self.start, *self.panels
             )
         num_tokens, top_k = topk_ids.shape

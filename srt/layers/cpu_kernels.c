@@ -1,9 +1,11 @@
-/* Routed experts of one MoE layer in one call, for float32 on CPU.
+/* float32 GEMMs for CPU over weights packed in panels of PANEL output columns laid out
+ * [K][PANEL] (``pack_panels`` in cpu_kernels.py), run by the threads of the OpenMP runtime
+ * torch itself uses: a linear layer (srt_panel_linear_f32) and the routed experts of one MoE
+ * layer in one call (srt_fused_experts_f32).
  *
- * Decode gives each expert a few tokens, so an expert's forward is bound by reading its
- * weights. Here every expert's weights are streamed once, in panels of PANEL output columns
- * laid out [K][PANEL] (``pack_panels`` in cpu_fused_experts.py), by all threads of the
- * OpenMP runtime torch itself uses, in one parallel region per layer:
+ * Decode gives a linear layer one row per sequence and each expert a few rows, so both are
+ * bound by reading the weights: a panel is streamed once for all rows. The experts' call
+ * runs in one parallel region per layer:
  *   1. route: (token, slot) pairs sorted by local expert (counting sort, stable);
  *   2. gate_up = x · W13ᵀ for every active expert, panels shared out among threads;
  *   3. act = silu(gate) · up;
@@ -199,8 +201,9 @@ oom:
     return -1;
 }
 
-/* One expert's projection: y [n, N] = x [n, K] · Wᵀ, W packed [N/PANEL][K][PANEL]. */
-void srt_expert_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
+/* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
+ * [N/PANEL][K][PANEL]. */
+void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
                            int64_t n_dim, float *y) {
     int64_t num_panels = n_dim / PANEL;
 #pragma omp parallel for schedule(static)

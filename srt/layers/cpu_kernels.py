@@ -1,10 +1,12 @@
-"""The routed experts of a layer in one C call on CPU (``cpu_fused_experts.c``), for float32.
+"""CPU kernels in C (``cpu_kernels.c``) for float32: a linear layer over weights packed in
+panels (``panel_linear``), and the routed experts of a MoE layer in one call
+(``fused_experts``).
 
 The C file is compiled on first use with the machine's C compiler for the machine's own
 instruction set, into a cache directory keyed by the source, the compiler and the processor
 (``$XDG_CACHE_HOME/srt/kernels``, else ``~/.cache/srt/kernels``). Where there is no compiler,
 the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is what its register blocks are
-sized for), or ``SRT_CPU_FUSED_EXPERTS=0`` is set, ``load_library`` returns None and the
+sized for), or ``SRT_CPU_KERNELS=0`` is set, ``load_library`` returns None and the
 experts run in PyTorch. It links OpenMP, which resolves to the runtime torch has already
 loaded, so the kernel's threads are torch's threads.
 """
@@ -53,7 +55,7 @@ def _compile(compiler: str) -> Path:
     key = hashlib.sha256(
         "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_fused_experts-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def _compile(compiler: str) -> Path:
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (disabled, or no compiler; logged once)."""
-    if os.environ.get("SRT_CPU_FUSED_EXPERTS", "1") == "0":
+    if os.environ.get("SRT_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -96,27 +98,27 @@ def load_library() -> ctypes.CDLL | None:
     lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 4
     lib.srt_panel_width.restype = ctypes.c_int64
     lib.srt_panel_width.argtypes = []
-    lib.srt_expert_linear_f32.restype = None
-    lib.srt_expert_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
+    lib.srt_panel_linear_f32.restype = None
+    lib.srt_panel_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
     return lib
 
 
 def can_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
-    """Whether stacked expert weights ``[E, N, K]`` fit the kernel: float32 on CPU, N a whole
-    number of panels."""
+    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels: float32 on CPU,
+    N a whole number of panels."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and weight.shape[1] % lib.srt_panel_width() == 0
+        and weight.shape[-2] % lib.srt_panel_width() == 0
     )
 
 
 def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """``[E, N, K]`` → ``[E, N / P, K, P]`` for the kernel's panels of ``P`` columns: each
+    """``[..., N, K]`` → ``[..., N / P, K, P]`` for the kernels' panels of ``P`` columns: each
     panel's columns contiguous per k."""
-    e, n, k = weight.shape
+    *lead, n, k = weight.shape
     p = lib.srt_panel_width()
-    return weight.detach().view(e, n // p, p, k).transpose(2, 3).contiguous()
+    return weight.detach().reshape(*lead, n // p, p, k).transpose(-1, -2).contiguous()
 
 
 def fused_experts(
@@ -162,13 +164,13 @@ def _work_buffer(numel: int) -> torch.Tensor:
     return buffer
 
 
-def expert_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """``x [n, K]`` times one expert's weight ``[N, K]`` transposed, from its panels
-    ``[N / P, K, P]``: ``[n, N]``."""
+def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels ``[N / P, K, P]``:
+    ``[n, N]``."""
     x = x.contiguous()
     num_panels, k_dim, _ = panels.shape
     out = x.new_empty(x.shape[0], num_panels * panels.shape[2])
-    lib.srt_expert_linear_f32(
+    lib.srt_panel_linear_f32(
         x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
     )
     return out

@@ -1,16 +1,19 @@
-"""The C expert kernel (``cpu_fused_experts``) equals the experts computed in PyTorch, gives a
-token the same result bit for bit whatever batch it comes in, and stays off where asked."""
+"""The CPU kernels (``srt.layers.cpu_kernels``): the experts' kernel equals the experts computed
+in PyTorch and gives a token the same result bit for bit whatever batch it comes in; linear
+layers on panels equal ``F.linear``; the kernels stay off where asked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from srt.layers.moe import cpu_fused_experts
+from srt.layers import cpu_kernels
+from srt.layers.linear import PanelWeight, ReplicatedLinear, linear, pack_weight
 from srt.layers.moe.fused_moe import FusedMoE
 
 pytestmark = pytest.mark.skipif(
-    cpu_fused_experts.load_library() is None, reason="no C compiler to build the kernel"
+    cpu_kernels.load_library() is None, reason="no C compiler to build the kernel"
 )
 HIDDEN, INTER = 128, 96  # w13 [192, 128], w2 [128, 96]: several panels each
 
@@ -70,23 +73,46 @@ def test_one_expert_projection_equals_matmul():
 
 def test_off_by_environment_or_without_compiler(monkeypatch):
     try:
-        monkeypatch.setenv("SRT_CPU_FUSED_EXPERTS", "0")
-        cpu_fused_experts.load_library.cache_clear()
-        assert cpu_fused_experts.load_library() is None
-        monkeypatch.delenv("SRT_CPU_FUSED_EXPERTS")
+        monkeypatch.setenv("SRT_CPU_KERNELS", "0")
+        cpu_kernels.load_library.cache_clear()
+        assert cpu_kernels.load_library() is None
+        monkeypatch.delenv("SRT_CPU_KERNELS")
         monkeypatch.setenv("CC", "/nonexistent/cc")
-        cpu_fused_experts.load_library.cache_clear()
-        assert cpu_fused_experts.load_library() is None
+        cpu_kernels.load_library.cache_clear()
+        assert cpu_kernels.load_library() is None
         moe = FusedMoE(8, HIDDEN, INTER)
         moe.pack_weights()
         assert moe.panels is None  # the PyTorch path, oneDNN layouts where available
     finally:
-        cpu_fused_experts.load_library.cache_clear()
+        cpu_kernels.load_library.cache_clear()
 
 
 def test_unfit_shapes_and_dtypes_are_not_packed():
-    lib = cpu_fused_experts.load_library()
+    lib = cpu_kernels.load_library()
     assert lib.srt_panel_width() in (32, 64)  # 4 vectors of 8 or 16 floats
-    assert not cpu_fused_experts.can_pack(lib, torch.zeros(2, 100, 64))  # not whole panels
-    assert not cpu_fused_experts.can_pack(lib, torch.zeros(2, 128, 64, dtype=torch.bfloat16))
-    assert cpu_fused_experts.can_pack(lib, torch.zeros(2, 128, 64))
+    assert not cpu_kernels.can_pack(lib, torch.zeros(2, 100, 64))  # not whole panels
+    assert not cpu_kernels.can_pack(lib, torch.zeros(2, 128, 64, dtype=torch.bfloat16))
+    assert cpu_kernels.can_pack(lib, torch.zeros(2, 128, 64))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+def test_linear_on_panels_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    layer = ReplicatedLinear(96, 128, bias=True)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias)
+    layer.pack_weights()
+    assert isinstance(layer.packed_weight, PanelWeight)
+    x = torch.randn(rows, 2, 96)  # leading dimensions kept
+    expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(layer(x), alone)  # a row's bits do not depend on its batch
+    half = x.to(torch.bfloat16)  # another dtype falls back to F.linear
+    out = linear(half, layer.weight.to(torch.bfloat16), None, layer.packed_weight)
+    assert out.dtype == torch.bfloat16
+
+
+def test_weights_that_do_not_fill_panels_keep_onednn():
+    packed = pack_weight(torch.randn(100, 64))
+    assert packed is None or not isinstance(packed, PanelWeight)
