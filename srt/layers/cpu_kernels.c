@@ -1,7 +1,7 @@
 /* float32 GEMMs for CPU over weights packed in panels of PANEL output columns laid out
  * [K][PANEL] (``pack_panels`` in cpu_kernels.py), run by the threads of the OpenMP runtime
  * torch itself uses: a linear layer (srt_panel_linear_f32) and the routed experts of one MoE
- * layer in one call (srt_fused_experts_f32).
+ * layer in one call (srt_fused_experts_f32); and RMSNorm in one pass (srt_rms_norm_f32).
  *
  * Decode gives a linear layer one row per sequence and each expert a few rows, so both are
  * bound by reading the weights: a panel is streamed once for all rows. The experts' call
@@ -14,6 +14,7 @@
  * Every output element is a sequential sum over k whatever the number of rows, so a token's
  * result does not depend on the batch it came in (split and unsplit batches agree). */
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -209,4 +210,35 @@ void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float 
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < num_panels; b++)
         panel_gemm(x, n, k_dim, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
+}
+
+/* RMSNorm, HF's: out = weight · h / sqrt(mean(h²) + eps) per row of `dim`, h = x (+ residual,
+ * then also written to `sum_out`). Row i of x starts at (i / inner) · ld + (i % inner) · dim,
+ * so the heads of a split QKV row are read where they lie; out, residual and sum_out are
+ * contiguous. The sum of squares runs in VEC lanes summed in a fixed order. */
+void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
+                      const float *residual, float *sum_out, const float *weight, float eps,
+                      float *out) {
+#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
+    for (int64_t i = 0; i < rows; i++) {
+        const float *h = x + (i / inner) * ld + (i % inner) * dim;
+        if (residual) {
+            float *s = sum_out + i * dim;
+            for (int64_t j = 0; j < dim; j++) s[j] = h[j] + residual[i * dim + j];
+            h = s;
+        }
+        vec acc = {0};
+        int64_t j = 0;
+        for (; j + VEC <= dim; j += VEC) {
+            vec v = load_vec(h + j);
+            acc += v * v;
+        }
+        float lanes[VEC], sum = 0.0f;
+        memcpy(lanes, &acc, sizeof lanes);
+        for (int q = 0; q < VEC; q++) sum += lanes[q];
+        for (; j < dim; j++) sum += h[j] * h[j];
+        float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+        float *o = out + i * dim;
+        for (j = 0; j < dim; j++) o[j] = weight[j] * (h[j] * scale);
+    }
 }

@@ -1,6 +1,6 @@
 """CPU kernels in C (``cpu_kernels.c``) for float32: a linear layer over weights packed in
-panels (``panel_linear``), and the routed experts of a MoE layer in one call
-(``fused_experts``).
+panels (``panel_linear``), the routed experts of a MoE layer in one call (``fused_experts``)
+and RMSNorm with its residual add (``rms_norm``).
 
 The C file is compiled on first use with the machine's C compiler for the machine's own
 instruction set, into a cache directory keyed by the source, the compiler and the processor
@@ -64,7 +64,7 @@ def _compile(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             check=True,
@@ -100,6 +100,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.srt_panel_width.argtypes = []
     lib.srt_panel_linear_f32.restype = None
     lib.srt_panel_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
+    lib.srt_rms_norm_f32.restype = None
+    lib.srt_rms_norm_f32.argtypes = [_ptr] + [_i64] * 4 + [_ptr] * 3 + [ctypes.c_float, _ptr]
     return lib
 
 
@@ -174,3 +176,39 @@ def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> tor
         x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
     )
     return out
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF's RMSNorm over the last dimension of float32 ``x`` (``[..., dim]``): norm(x), or with
+    ``residual`` (norm(x + residual), x + residual). ``x`` may be a view whose rows of ``dim``
+    are not contiguous with each other (the heads of a split QKV output); anything more
+    irregular is copied first."""
+    dim = x.shape[-1]
+    lead = x.reshape(x.shape[0], -1, dim) if x.dim() > 1 else x.reshape(1, 1, dim)
+    if lead.stride(2) != 1 or lead.stride(1) != dim:
+        lead = lead.contiguous()
+    out = torch.empty(lead.shape, dtype=x.dtype)
+    total = None
+    if residual is not None:
+        residual = residual.contiguous()
+        total = torch.empty_like(out)
+    lib.srt_rms_norm_f32(
+        lead.data_ptr(),
+        lead.shape[0] * lead.shape[1],
+        lead.shape[1],
+        lead.stride(0),
+        dim,
+        None if residual is None else residual.data_ptr(),
+        None if total is None else total.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+    )
+    out = out.view(x.shape)
+    return out if residual is None else (out, total.view(x.shape))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -15,7 +17,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual). On CPU in
+        float32 one call of the C kernel (``cpu_kernels.rms_norm``) does it all."""
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+            lib = cpu_kernels.load_library()
+            if lib is not None and self.weight.dtype == torch.float32:
+                if residual is not None and residual.dtype != torch.float32:
+                    residual = residual.float()
+                return cpu_kernels.rms_norm(lib, x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             residual = x

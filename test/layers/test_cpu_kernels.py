@@ -1,6 +1,7 @@
 """The CPU kernels (``srt.layers.cpu_kernels``): the experts' kernel equals the experts computed
 in PyTorch and gives a token the same result bit for bit whatever batch it comes in; linear
-layers on panels equal ``F.linear``; the kernels stay off where asked."""
+layers on panels equal ``F.linear``; RMSNorm equals PyTorch's; the kernels stay off where
+asked."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from srt.layers import cpu_kernels
+from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import PanelWeight, ReplicatedLinear, linear, pack_weight
 from srt.layers.moe.fused_moe import FusedMoE
 
@@ -116,3 +118,19 @@ def test_linear_on_panels_equals_f_linear(rows):
 def test_weights_that_do_not_fill_panels_keep_onednn():
     packed = pack_weight(torch.randn(100, 64))
     assert packed is None or not isinstance(packed, PanelWeight)
+
+
+def test_rms_norm_equals_pytorch_on_views_and_with_residual():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    qkv = torch.randn(5, 12 * 64)
+    heads = qkv[:, : 8 * 64].reshape(-1, 8, 64)  # a split QKV's heads: rows not contiguous
+    latent = torch.randn(5, 64 + 32)[:, :64]  # MLA's latent sliced off a wider row
+    for x in (heads, latent, torch.randn(64), torch.randn(3, 64)):
+        torch.testing.assert_close(norm(x), norm._norm(x), atol=1e-5, rtol=1e-5)
+    x, residual = torch.randn(7, 64), torch.randn(7, 64)
+    out, total = norm(x, residual)
+    assert torch.equal(total, x + residual)
+    torch.testing.assert_close(out, norm._norm(x + residual), atol=1e-5, rtol=1e-5)
+    assert torch.equal(norm(x[2:3]), norm(x)[2:3])  # a row's bits do not depend on its batch
