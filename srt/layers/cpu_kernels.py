@@ -6,8 +6,8 @@ The C file is compiled on first use with the machine's C compiler for the machin
 instruction set, into a cache directory keyed by the source, the compiler and the processor
 (``$XDG_CACHE_HOME/srt/kernels``, else ``~/.cache/srt/kernels``). Where there is no compiler,
 the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is what its register blocks are
-sized for), or ``SRT_CPU_KERNELS=0`` is set, ``load_library`` returns None and the
-experts run in PyTorch. It links OpenMP, which resolves to the runtime torch has already
+sized for), or ``SRT_CPU_KERNELS=0`` is set, ``load_library`` returns None and the layers
+keep their PyTorch (oneDNN) paths. It links OpenMP, which resolves to the runtime torch has already
 loaded, so the kernel's threads are torch's threads.
 """
 
@@ -78,21 +78,21 @@ def _compile(compiler: str) -> Path:
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (disabled, or no compiler; logged once)."""
+    """The compiled kernels, or None (disabled, no compiler, no AVX2; logged once)."""
     if os.environ.get("SRT_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: routed experts run in PyTorch")
+        logger.warning("no C compiler found: CPU kernels off, layers run in PyTorch")
         return None
     try:
         lib = ctypes.CDLL(str(_compile(compiler)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        logger.warning("CPU expert kernel not built (%s): routed experts run in PyTorch", detail)
+        logger.warning("CPU kernels not built (%s): layers run in PyTorch", detail)
         return None
     if not lib.srt_kernel_is_fast():
-        logger.info("no AVX2/AVX-512 on this CPU: routed experts run in PyTorch")
+        logger.info("no AVX2/AVX-512 on this CPU: CPU kernels off, layers run in PyTorch")
         return None
     lib.srt_fused_experts_f32.restype = ctypes.c_int
     lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 4
