@@ -130,6 +130,61 @@ static void experts_gemm(const float *in, int64_t k_dim, const float *weights, i
 #pragma omp barrier
 }
 
+/* The (token, slot) pairs of this rank's experts, sorted by expert. */
+struct routing {
+    int64_t *count, *begin, *active, *order, *position; /* position[pair]: its row, or -1 */
+    int64_t num_active, routed;
+};
+
+static void free_routing(struct routing *r) {
+    free(r->count), free(r->begin), free(r->active), free(r->order), free(r->position);
+}
+
+/* Stable counting sort of the pairs by local expert (global id - start); -1 when out of memory. */
+static int route(const int64_t *ids, int64_t pairs, int64_t start, int64_t num_experts,
+                 struct routing *r) {
+    r->count = calloc(num_experts, sizeof *r->count);
+    r->begin = malloc(num_experts * sizeof *r->begin);
+    r->active = malloc(num_experts * sizeof *r->active);
+    r->order = malloc((pairs + 1) * sizeof *r->order);
+    r->position = malloc((pairs + 1) * sizeof *r->position);
+    if (!r->count || !r->begin || !r->active || !r->order || !r->position) return -1;
+    for (int64_t p = 0, e; p < pairs; p++)
+        if ((e = ids[p] - start) >= 0 && e < num_experts) r->count[e]++;
+    r->num_active = r->routed = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        r->begin[e] = r->routed;
+        r->routed += r->count[e];
+        if (r->count[e]) r->active[r->num_active++] = e;
+    }
+    memset(r->count, 0, num_experts * sizeof *r->count); /* counted again while placing */
+    for (int64_t p = 0, e; p < pairs; p++) {
+        r->position[p] = -1;
+        if ((e = ids[p] - start) >= 0 && e < num_experts) {
+            r->position[p] = r->begin[e] + r->count[e]++;
+            r->order[r->position[p]] = p;
+        }
+    }
+    return 0;
+}
+
+/* out[t] = Σ_slot weight · down[row of (t, slot)], slots in order (inside a parallel region). */
+static void combine(const float *down, const struct routing *r, const float *weights,
+                    int64_t num_tokens, int64_t topk, int64_t hidden, float *out) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float *o = out + t * hidden;
+        memset(o, 0, hidden * sizeof *o);
+        for (int64_t s = 0; s < topk; s++) {
+            int64_t pos = r->position[t * topk + s];
+            if (pos < 0) continue;
+            float w = weights[t * topk + s];
+            const float *d = down + pos * hidden;
+            for (int64_t j = 0; j < hidden; j++) o[j] += w * d[j];
+        }
+    }
+}
+
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
  * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL]; out [T, H].
  * `work` holds T·topk·(2H + 3I) floats; the caller keeps it from call to call, because fresh
@@ -139,67 +194,30 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
                           const float *weights, int64_t topk, int64_t start, int64_t num_experts,
                           int64_t inter, const float *w13, const float *w2, float *out,
                           float *work) {
-    int64_t pairs = num_tokens * topk, e;
-    int64_t *count = calloc(num_experts, sizeof *count);
-    int64_t *begin = malloc((num_experts + 1) * sizeof *begin);
-    int64_t *active = malloc(num_experts * sizeof *active);
-    int64_t *order = malloc((pairs + 1) * sizeof *order);
-    int64_t *position = malloc((pairs + 1) * sizeof *position);
-    if (!count || !begin || !active || !order || !position) goto oom;
-    for (int64_t p = 0; p < pairs; p++) {
-        e = ids[p] - start;
-        if (e >= 0 && e < num_experts) count[e]++;
-    }
-    int64_t num_active = 0, routed = 0;
-    for (e = 0; e < num_experts; e++) {
-        begin[e] = routed;
-        routed += count[e];
-        if (count[e]) active[num_active++] = e;
-    }
-    /* Stable counting sort: pair p goes to the next free row of its expert. */
-    memset(count, 0, num_experts * sizeof *count);
-    for (int64_t p = 0; p < pairs; p++) {
-        e = ids[p] - start;
-        position[p] = -1;
-        if (e >= 0 && e < num_experts) {
-            position[p] = begin[e] + count[e]++;
-            order[position[p]] = p;
-        }
+    struct routing r;
+    if (route(ids, num_tokens * topk, start, num_experts, &r)) {
+        free_routing(&r);
+        return -1;
     }
     /* gathered rows [routed, H] | gate_up [routed, 2I] | act [routed, I] | down [routed, H] */
-    float *rows = work;
-    float *gate_up = rows + routed * hidden, *act = gate_up + routed * 2 * inter;
-    float *down = act + routed * inter;
+    float *rows = work, *gate_up = rows + r.routed * hidden;
+    float *act = gate_up + r.routed * 2 * inter, *down = act + r.routed * inter;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < routed; i++)
-            memcpy(rows + i * hidden, x + order[i] / topk * hidden, hidden * sizeof *rows);
-        experts_gemm(rows, hidden, w13, 2 * inter, active, num_active, begin, count, gate_up);
+        for (int64_t i = 0; i < r.routed; i++)
+            memcpy(rows + i * hidden, x + r.order[i] / topk * hidden, hidden * sizeof *rows);
+        experts_gemm(rows, hidden, w13, 2 * inter, r.active, r.num_active, r.begin, r.count,
+                     gate_up);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < routed; i++) {
-            const float *g = gate_up + i * 2 * inter;
-            silu_mul(g, g + inter, act + i * inter, inter);
-        }
-        experts_gemm(act, inter, w2, hidden, active, num_active, begin, count, down);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_tokens; t++) {
-            float *o = out + t * hidden;
-            memset(o, 0, hidden * sizeof *o);
-            for (int64_t s = 0; s < topk; s++) {
-                int64_t pos = position[t * topk + s];
-                if (pos < 0) continue;
-                float w = weights[t * topk + s];
-                const float *d = down + pos * hidden;
-                for (int64_t j = 0; j < hidden; j++) o[j] += w * d[j];
-            }
-        }
+        for (int64_t i = 0; i < r.routed; i++)
+            silu_mul(gate_up + i * 2 * inter, gate_up + i * 2 * inter + inter, act + i * inter,
+                     inter);
+        experts_gemm(act, inter, w2, hidden, r.active, r.num_active, r.begin, r.count, down);
+        combine(down, &r, weights, num_tokens, topk, hidden, out);
     }
-    free(count), free(begin), free(active), free(order), free(position);
+    free_routing(&r);
     return 0;
-oom:
-    free(count), free(begin), free(active), free(order), free(position);
-    return -1;
 }
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
