@@ -122,8 +122,9 @@ class ModelRunner:
         options = ModelOptions.from_server_args(self.server_args)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
         if self.device.type == "cpu":
-            # oneDNN layouts of the linear and expert weights (``pack_weight``); the dense
-            # originals stay for the code paths that read them.
+            # CPU layouts of the linear and expert weights (the C kernels' panels, or oneDNN's;
+            # ``pack_weight``), and the C RMSNorm; the dense originals stay for the code paths
+            # that read them.
             for module in self.model.modules():
                 if hasattr(module, "pack_weights"):
                     module.pack_weights()

@@ -124,6 +124,8 @@ def test_rms_norm_equals_pytorch_on_views_and_with_residual():
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-6)
     torch.nn.init.normal_(norm.weight)
+    norm.pack_weights()
+    assert norm.kernel is not None
     qkv = torch.randn(5, 12 * 64)
     heads = qkv[:, : 8 * 64].reshape(-1, 8, 64)  # a split QKV's heads: rows not contiguous
     latent = torch.randn(5, 64 + 32)[:, :64]  # MLA's latent sliced off a wider row
