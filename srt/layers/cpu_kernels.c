@@ -14,32 +14,12 @@
  * Every output element is a sequential sum over k whatever the number of rows, so a token's
  * result does not depend on the batch it came in (split and unsplit batches agree). */
 
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "cpu_kernels.h"
 
-/* A vector is one register: 16 floats with AVX-512, else 8 (AVX2, NEON pairs...). A panel is
- * 4 vectors wide, and a block of ROWS rows keeps ROWS × 4 accumulators and the panel's row of
- * 4 vectors in registers. */
-#ifdef __AVX512F__
-#define VEC 16
-#else
-#define VEC 8
-#endif
+/* A panel is 4 vectors wide, and a block of ROWS rows keeps ROWS × 4 accumulators and the
+ * panel's row of 4 vectors in registers. */
 #define PANEL (4 * VEC) /* output columns per weight panel */
 #define ROWS 4          /* rows per register block */
-
-typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
-
-static inline vec load_vec(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* The panel width the Python side packs weights for. */
 int64_t srt_panel_width(void) { return PANEL; }
@@ -93,23 +73,9 @@ static void panel_gemm(const float *x, int64_t n, int64_t ldx, const float *pane
     if (r < n) block_gemm(x + r * ldx, n - r, ldx, panel, k_dim, y + r * ldy, ldy, 0);
 }
 
-/* act[j] = silu(gate[j]) · up[j] for j < n. exp(-g) by range reduction to 2^m · e^r with
- * |r| ≤ ln2/2 and a degree-6 Taylor polynomial (relative error about 1e-7), written so that
- * the compiler vectorizes it: libm's scalar expf would cost as much as the GEMMs in prefill. */
+/* act[j] = silu(gate[j]) · up[j] for j < n. */
 static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
-    for (int64_t j = 0; j < n; j++) {
-        float v = -gate[j];
-        v = v < 88.0f ? v : 88.0f;
-        v = v > -87.0f ? v : -87.0f;
-        float m = (v * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
-        float r = v - m * 0.693359375f + m * 2.12194440e-4f;       /* v - m·ln2, two parts */
-        float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (
-                      1.0f / 120 + r * (1.0f / 720))))));
-        int32_t bits = ((int32_t)m + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        act[j] = gate[j] / (1.0f + p * scale) * up[j];
-    }
+    for (int64_t j = 0; j < n; j++) act[j] = gate[j] / (1.0f + fast_exp(-gate[j])) * up[j];
 }
 
 /* Rows [begin, begin + count) of `in` ([P, k_dim]) times the panels of every active expert:
@@ -251,9 +217,7 @@ void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, i
             vec v = load_vec(h + j);
             acc += v * v;
         }
-        float lanes[VEC], sum = 0.0f;
-        memcpy(lanes, &acc, sizeof lanes);
-        for (int q = 0; q < VEC; q++) sum += lanes[q];
+        float sum = sum_lanes(acc);
         for (; j < dim; j++) sum += h[j] * h[j];
         float scale = 1.0f / sqrtf(sum / (float)dim + eps);
         float *o = out + i * dim;

@@ -1,8 +1,9 @@
-"""CPU kernels in C (``cpu_kernels.c``) for float32: a linear layer over weights packed in
-panels (``panel_linear``), the routed experts of a MoE layer in one call (``fused_experts``)
-and RMSNorm with its residual add (``rms_norm``).
+"""CPU kernels in C for float32: a linear layer over weights packed in panels
+(``panel_linear``), the routed experts of a MoE layer in one call (``fused_experts``) and
+RMSNorm with its residual add (``rms_norm``), all in ``cpu_kernels.c``; decode attention over the
+paged KV cache (``decode_attention``) and rotary embedding (``rope``), in ``cpu_attention.c``.
 
-The C file is compiled on first use with the machine's C compiler for the machine's own
+The C files are compiled on first use with the machine's C compiler for the machine's own
 instruction set, into a cache directory keyed by the source, the compiler and the processor
 (``$XDG_CACHE_HOME/srt/kernels``, else ``~/.cache/srt/kernels``). Where there is no compiler,
 the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is what its register blocks are
@@ -28,7 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_suffix(".c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c")]
+HEADER = Path(__file__).with_suffix(".h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # Per thread, the kernel's work buffer, grown as needed and kept (see the C file).
@@ -53,7 +55,9 @@ def _compile(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(CFLAGS), version, _cpu_flags()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in (HEADER, *SOURCES)), " ".join(CFLAGS), version, _cpu_flags()]
+        ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -64,7 +68,7 @@ def _compile(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             check=True,
@@ -102,6 +106,13 @@ def load_library() -> ctypes.CDLL | None:
     lib.srt_panel_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
     lib.srt_rms_norm_f32.restype = None
     lib.srt_rms_norm_f32.argtypes = [_ptr] + [_i64] * 4 + [_ptr] * 3 + [ctypes.c_float, _ptr]
+    lib.srt_decode_attention_f32.restype = ctypes.c_int
+    lib.srt_decode_attention_f32.argtypes = (
+        [_ptr] + [_i64] * 3 + [_ptr, _i64, _ptr] + [_i64] * 3 + [_ptr, _i64, _ptr, _ptr]
+        + [ctypes.c_float, _ptr]
+    )  # fmt: skip
+    lib.srt_rope_f32.restype = ctypes.c_int
+    lib.srt_rope_f32.argtypes = [_ptr] + [_i64] * 5 + [_ptr, _ptr, _i64, ctypes.c_int, _ptr]
     return lib
 
 
@@ -212,3 +223,60 @@ def rms_norm(
     )
     out = out.view(x.shape)
     return out if residual is None else (out, total.view(x.shape))
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per sequence, ``q [B, H, D]``, over its ``seq_lens[b]`` (≥ 1) cached
+    tokens, read in place: keys ``k_buf [slots, Hk, D]``, values ``v_buf [slots, Hk, Dv]`` (a
+    view of the keys' first columns is fine: MLA), the slots in row ``req_pool_indices[b]`` of
+    ``req_to_token``. Returns ``[B, H, Dv]``."""
+    q = q.contiguous()
+    batch, heads, dim = q.shape
+    _, kv_heads, v_dim = v_buf.shape
+    if k_buf.stride(2) != 1 or k_buf.stride(1) != dim or v_buf.stride(2) != 1:
+        raise ValueError("decode_attention: KV buffers must have contiguous heads")
+    if v_buf.stride(1) != v_dim and kv_heads > 1:
+        raise ValueError("decode_attention: value heads must be contiguous")
+    rows = req_pool_indices.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    out = q.new_empty(batch, heads, v_dim)
+    status = lib.srt_decode_attention_f32(
+        q.data_ptr(), batch, heads, dim,
+        k_buf.data_ptr(), k_buf.stride(0), v_buf.data_ptr(), v_buf.stride(0), v_dim, kv_heads,
+        req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(),
+        scale, out.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("CPU decode attention: out of memory for its score buffers")
+    return out
+
+
+def rope(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    neox: bool,
+) -> torch.Tensor | None:
+    """Rotary embedding of float32 ``x [T, H, rot]`` (a view whose last dimension is
+    contiguous is read where it lies) at ``positions [T]`` (int64), from ``cos_sin [rows, rot]``
+    (per position, the cosines of the rot/2 frequencies, then their sines). Returns a new
+    ``[T, H, rot]``, or None when a position lies outside the table."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, heads, rot = x.shape
+    out = torch.empty(tokens, heads, rot, dtype=x.dtype)
+    status = lib.srt_rope_f32(
+        x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), rot,
+        positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], int(neox), out.data_ptr(),
+    )  # fmt: skip
+    return None if status else out

@@ -1,5 +1,10 @@
 """Rotary position embedding: default and YaRN frequencies, NeoX (half-split) and GPT-J
-(interleaved pairs) layouts."""
+(interleaved pairs) layouts.
+
+On CPU in float32 with the CPU kernels built, a layer's rotation is one C call per tensor
+(``cpu_kernels.rope``) reading cosines and sines from a table per position, shared by every
+layer of the same frequencies and grown when a position lies past its end; its entries are
+the values the PyTorch path computes for that position."""
 
 from __future__ import annotations
 
@@ -7,6 +12,11 @@ import math
 
 import torch
 from torch import nn
+
+from srt.layers import cpu_kernels
+
+# Shared cos/sin tables, by (frequencies, attention factor): [positions, rotary_dim].
+_COS_SIN_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def rope_parameters(config) -> dict:
@@ -85,16 +95,49 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"unsupported rope type {rope_type!r}")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rotary_dim = rotary_dim
+        self.max_position = max_position
         self.is_neox_style = is_neox_style
+        self.kernel = None  # the CPU kernels, set by pack_weights where they rotate
+
+    def pack_weights(self) -> None:
+        """Once loaded, on CPU: rotate float32 tensors in C (``cpu_kernels.rope``)."""
+        if self.inv_freq.device.type == "cpu":
+            self.kernel = cpu_kernels.load_library()
+            self.table_key = (tuple(self.inv_freq.tolist()), self.attention_factor)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, rotary_dim]; k [T, Hk, rotary_dim]."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        cos = (freqs.cos() * self.attention_factor).to(q.dtype)[:, None, :]
-        sin = (freqs.sin() * self.attention_factor).to(q.dtype)[:, None, :]
+        if self.kernel is not None and q.dtype == k.dtype == torch.float32:
+            return self._rotate_in_c(positions.to(torch.int64).contiguous(), q, k)
+        cos, sin = self._cos_sin(positions.to(torch.float32))
+        cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, rotary_dim / 2] at float positions [T]."""
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def _rotate_in_c(self, positions, q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        table = _COS_SIN_TABLES.get(self.table_key)
+        for _ in range(2):  # the second time with a table that covers every position
+            if table is not None:
+                q_out = cpu_kernels.rope(self.kernel, q, positions, table, self.is_neox_style)
+                k_out = cpu_kernels.rope(self.kernel, k, positions, table, self.is_neox_style)
+                if q_out is not None and k_out is not None:
+                    return q_out, k_out
+            table = _COS_SIN_TABLES[self.table_key] = self._table(positions, table)
+        raise ValueError(f"rotary embedding: negative position {int(positions.min())}")
+
+    def _table(self, positions: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+        """A table covering ``positions``: the model's own range at first (at most 4096
+        positions), then at least twice the old one."""
+        rows = min(self.max_position, 4096) if old is None else 2 * old.shape[0]
+        rows = max(rows, int(positions.max()) + 1 if positions.numel() else 0)
+        cos, sin = self._cos_sin(torch.arange(rows, dtype=torch.float32))
+        return torch.cat((cos, sin), dim=-1).contiguous()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.is_neox_style:

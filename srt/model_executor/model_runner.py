@@ -27,6 +27,7 @@ from srt.batch_overlap.operations import OperationObserver
 from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
+from srt.layers import cpu_kernels
 from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.dp_attention import DpSyncInfo, apply_dp_sync
@@ -90,13 +91,14 @@ class ModelRunner:
         self._init_model()
         self._init_memory_pools()
         self.tbo_config = TboConfig.from_server_args(server_args)
+        kernels = cpu_kernels.load_library() if self.device.type == "cpu" else None
         self.attn_backend = (
             TboAttnBackend.init_new(
-                TorchNativeAttnBackend,
+                lambda: TorchNativeAttnBackend(kernels),
                 parent_attends_when_split=self.model.model.tbo_start_layer > 0,
             )
             if self.tbo_config.enabled
-            else TorchNativeAttnBackend()
+            else TorchNativeAttnBackend(kernels)
         )
         self.sampler = Sampler(server_args.random_seed)
         model_bytes = sum(p.nbytes for p in self.model.parameters())

@@ -15,10 +15,15 @@ index table and mask built once per forward in ``init_forward_metadata``:
 
 Rows (KV slots, queries) are gathered with ``index_select`` on tensors viewed as rows: several
 times faster on CPU than indexing with a tensor.
+
+On CPU in float32 with the CPU kernels built, decode skips all of that: one C call per layer
+reads each sequence's slots in place (``cpu_kernels.decode_attention``), and the metadata is
+just the batch's own request rows and lengths.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from srt.layers import cpu_kernels
 from srt.layers.attention.base_attn_backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -108,8 +114,22 @@ def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> Ex
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, decode_kernel: ctypes.CDLL | None = None):
+        """``decode_kernel``: the CPU kernels' library (``cpu_kernels.load_library``), for
+        float32 decode on CPU; None keeps SDPA."""
+        self.decode_kernel = decode_kernel
+
+    def _kernel_decodes(self, batch: ForwardBatch) -> bool:
+        return (
+            self.decode_kernel is not None
+            and batch.input_ids.device.type == "cpu"
+            and batch.token_to_kv_pool.dtype == torch.float32
+        )
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode() and self._kernel_decodes(batch):
+            batch.attn_metadata = TorchNativeMetadata()  # the kernel reads the batch's own rows
+        elif batch.forward_mode.is_decode():
             table = batch.req_to_token_pool.req_to_token
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
             indices = table[batch.req_pool_indices, :max_len]
@@ -159,6 +179,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
         pool = batch.token_to_kv_pool
+        if meta.kv_indices is None:
+            return cpu_kernels.decode_attention(
+                self.decode_kernel,
+                q,
+                pool.get_key_buffer(layer.layer_id),
+                pool.get_value_buffer(layer.layer_id),
+                batch.req_to_token_pool.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                layer.scaling,
+            )
         key = gather_slots(pool.get_key_buffer(layer.layer_id), meta.kv_indices)
         v_buf = pool.get_value_buffer(layer.layer_id)
         value = _value_like_key(key, pool, v_buf, meta.kv_indices, layer)
