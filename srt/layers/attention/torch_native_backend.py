@@ -9,7 +9,8 @@ index table and mask built once per forward in ``init_forward_metadata``:
   SDPA's own ``enable_gqa`` runs one single-row product per query head;
 - extend: sequences grouped by length so that padding stays small (``group_extend``); each
   group's queries are gathered into ``[b, H, Lq, D]`` (a view, without a copy, where the group
-  is a run of consecutive sequences of one length), its keys into ``[b, H, Lk, D]``. A group
+  is a run of consecutive sequences of one length), its keys into ``[b, Hk, Lk, D]`` (on CPU,
+  SDPA groups the query heads itself; elsewhere the KV heads are repeated to ``H``). A group
   without cached prefixes runs SDPA's causal kernel (padded keys lie after every valid query,
   so causality alone hides them); a group with prefixes carries an explicit mask.
 
@@ -151,19 +152,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        # On CPU, SDPA's fused kernel takes grouped KV heads as they are (same bits, no copy).
+        gqa = q.device.type == "cpu"
         for group in batch.attn_metadata.extend_groups:
             key = gather_slots(k_buf, group.kv_indices)
             if layer.kv_from_cache is not None:
                 key, value = _expanded_kv(key, layer)
             else:
                 value = _value_like_key(key, batch.token_to_kv_pool, v_buf, group.kv_indices, layer)
+            key, value = key.transpose(1, 2), value.transpose(1, 2)  # [b, Hk, Lk, D]
+            if not gqa:
+                key, value = _expand_kv(key, layer), _expand_kv(value, layer)
             o = F.scaled_dot_product_attention(
                 _group_queries(q, group).transpose(1, 2),  # [b, H, Lq, D]
-                _expand_kv(key.transpose(1, 2), layer),  # [b, H, Lk, D]
-                _expand_kv(value.transpose(1, 2), layer),
+                key,
+                value,
                 attn_mask=group.mask,
                 is_causal=group.mask is None,
                 scale=layer.scaling,
+                enable_gqa=gqa,
             )
             o = o[..., : layer.v_head_dim].transpose(1, 2)
             if group.first_row is not None:
@@ -243,8 +250,7 @@ def _as_wide_as(value: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 def _expand_kv(x: torch.Tensor, layer) -> torch.Tensor:
-    """Repeat KV heads (dim 1) for grouped-query attention in extend: SDPA's own
-    ``enable_gqa`` with a causal mask takes the slow math kernel on CPU instead of the fused
-    one."""
+    """Repeat KV heads (dim 1) for grouped-query attention in extend, off CPU (where SDPA's
+    ``enable_gqa`` may not reach the fused kernels)."""
     group = layer.num_heads // layer.num_kv_heads
     return x if group == 1 else x.repeat_interleave(group, dim=1)
