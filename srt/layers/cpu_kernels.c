@@ -187,13 +187,23 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
 }
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
- * [N/PANEL][K][PANEL]. */
-void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
-                           int64_t n_dim, float *y) {
-    int64_t num_panels = n_dim / PANEL;
+ * [ceil(N/PANEL)][K][PANEL], the last panel's columns past N zero. That panel, when partial, is
+ * computed into a buffer of its own and its first N % PANEL columns copied out.
+ * Returns 0, or -1 when out of memory. */
+int srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
+                         int64_t n_dim, float *y) {
+    int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < num_panels; b++)
+    for (int64_t b = 0; b < full; b++)
         panel_gemm(x, n, k_dim, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
+    if (rest == 0 || n == 0) return 0;
+    float *last = malloc(n * PANEL * sizeof *last);
+    if (last == NULL) return -1;
+    panel_gemm(x, n, k_dim, panels + full * k_dim * PANEL, k_dim, last, PANEL);
+    for (int64_t i = 0; i < n; i++)
+        memcpy(y + i * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
+    free(last);
+    return 0;
 }
 
 /* RMSNorm, HF's: out = weight · h / sqrt(mean(h²) + eps) per row of `dim`, h = x (+ residual,

@@ -102,7 +102,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.srt_fused_experts_f32.argtypes = [_ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 4 + [_ptr] * 4
     lib.srt_panel_width.restype = ctypes.c_int64
     lib.srt_panel_width.argtypes = []
-    lib.srt_panel_linear_f32.restype = None
+    lib.srt_panel_linear_f32.restype = ctypes.c_int
     lib.srt_panel_linear_f32.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
     lib.srt_rms_norm_f32.restype = None
     lib.srt_rms_norm_f32.argtypes = [_ptr] + [_i64] * 4 + [_ptr] * 3 + [ctypes.c_float, _ptr]
@@ -117,21 +117,25 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def can_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
-    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels: float32 on CPU,
-    N a whole number of panels."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.shape[-2] % lib.srt_panel_width() == 0
-    )
+    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels: float32 on
+    CPU. The experts' kernel also needs N to fill whole panels (``fills_panels``)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def fills_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
+    return weight.shape[-2] % lib.srt_panel_width() == 0
 
 
 def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """``[..., N, K]`` → ``[..., N / P, K, P]`` for the kernels' panels of ``P`` columns: each
-    panel's columns contiguous per k."""
+    """``[..., N, K]`` → ``[..., ceil(N / P), K, P]`` for the kernels' panels of ``P`` columns:
+    each panel's columns contiguous per k; columns past N (the last panel's) zero."""
     *lead, n, k = weight.shape
     p = lib.srt_panel_width()
-    return weight.detach().reshape(*lead, n // p, p, k).transpose(-1, -2).contiguous()
+    padded = -(-n // p) * p
+    weight = weight.detach()
+    if padded != n:
+        weight = torch.cat((weight, weight.new_zeros(*lead, padded - n, k)), dim=-2)
+    return weight.reshape(*lead, padded // p, p, k).transpose(-1, -2).contiguous()
 
 
 def fused_experts(
@@ -177,15 +181,19 @@ def _work_buffer(numel: int) -> torch.Tensor:
     return buffer
 
 
-def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels ``[N / P, K, P]``:
-    ``[n, N]``."""
+def panel_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, out_features: int | None = None
+) -> torch.Tensor:
+    """``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels
+    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]``."""
     x = x.contiguous()
-    num_panels, k_dim, _ = panels.shape
-    out = x.new_empty(x.shape[0], num_panels * panels.shape[2])
-    lib.srt_panel_linear_f32(
+    num_panels, k_dim, width = panels.shape
+    out = x.new_empty(x.shape[0], out_features or num_panels * width)
+    status = lib.srt_panel_linear_f32(
         x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
     )
+    if status:
+        raise MemoryError("CPU linear kernel: out of memory for its last panel")
     return out
 
 

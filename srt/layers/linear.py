@@ -30,12 +30,13 @@ class PanelWeight(NamedTuple):
 
     lib: object
     panels: torch.Tensor
+    out_features: int | None = None  # N, where it does not fill the last panel
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     """The weight ``[N, K]`` laid out for ``linear`` on CPU: in float32, the CPU kernels'
-    panels where N fills whole panels (``srt.layers.cpu_kernels``: as fast as oneDNN for many
-    rows, faster for the few rows of decode); else oneDNN's blocked layout (fp32 or bf16);
+    panels (``srt.layers.cpu_kernels``: as fast as oneDNN for many rows, faster for the few rows
+    of decode; any N, the last panel padded); else oneDNN's blocked layout (bf16);
     None where neither is available. oneDNN on CPU is several times faster than ``F.linear``
     (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a poorly blocked one
     for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also gives each row the
@@ -43,7 +44,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     Measured in ``docs/benchmarks.md``."""
     lib = cpu_kernels.load_library() if weight.dtype == torch.float32 else None
     if lib is not None and cpu_kernels.can_pack(lib, weight):
-        return PanelWeight(lib, cpu_kernels.pack_panels(lib, weight))
+        return PanelWeight(lib, cpu_kernels.pack_panels(lib, weight), weight.shape[0])
     if (
         weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -74,7 +75,7 @@ def linear(
     is one."""
     if isinstance(packed, PanelWeight) and x.dtype == torch.float32:
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.panel_linear(packed.lib, rows, packed.panels)
+        out = cpu_kernels.panel_linear(packed.lib, rows, packed.panels, packed.out_features)
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -19,6 +19,7 @@ import torch
 
 from srt.distributed.communication_op import all_gather
 from srt.distributed.group_coordinator import GroupCoordinator
+from srt.layers.linear import linear
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 if TYPE_CHECKING:
@@ -75,13 +76,13 @@ class LogitsProcessor(torch.nn.Module):
         self.cross_dp = cross_dp
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, batch: ForwardBatch
+        self, hidden_states: torch.Tensor, lm_head: torch.nn.Module, batch: ForwardBatch
     ) -> LogitsProcessorOutput:
         rows = kept_rows(batch)
         if rows is not None:
             index = torch.tensor(rows, dtype=torch.int64, device=hidden_states.device)
             hidden_states = hidden_states.index_select(0, index)
-        logits = self._logits(hidden_states, lm_head_weight, batch)
+        logits = self._logits(hidden_states, lm_head, batch)
         if not batch.forward_mode.is_extend():
             return LogitsProcessorOutput(logits)
         num_seqs = batch.batch_size
@@ -89,11 +90,11 @@ class LogitsProcessor(torch.nn.Module):
         return LogitsProcessorOutput(logits[:num_seqs], input_logits)
 
     def _logits(
-        self, hidden: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+        self, hidden: torch.Tensor, lm_head: torch.nn.Module, batch: ForwardBatch
     ) -> torch.Tensor:
         if self.cross_dp is not None:
             hidden = self.cross_dp.gather(hidden, batch.global_num_tokens_for_logprob_cpu)
-        logits = torch.matmul(hidden, weight.t())
+        logits = linear(hidden, lm_head.weight, packed=getattr(lm_head, "packed_weight", None))
         if self.vocab_group is not None:
             logits = all_gather(self.vocab_group, logits, dim=-1)
         logits = logits[:, : self.vocab_size].float()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.layers.linear import copy_checked
+from srt.layers.linear import copy_checked, pack_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,3 +40,10 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection; its logits are computed by LogitsProcessor."""
+
+    packed_weight = None  # the CPU layout of the weight, set by pack_weights
+
+    def pack_weights(self) -> None:
+        """Once loaded (and tied, where it shares the embedding), on CPU: the weight laid out
+        for ``linear`` (``srt.layers.linear.pack_weight``)."""
+        self.packed_weight = pack_weight(self.weight)

@@ -176,7 +176,7 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden = self.model(input_ids, positions, batch)
-        return self.logits_processor(hidden, self.lm_head.weight, batch)
+        return self.logits_processor(hidden, self.lm_head, batch)
 
     def weight_mapping(self) -> WeightMapping:
         raise NotImplementedError

@@ -92,9 +92,10 @@ def test_off_by_environment_or_without_compiler(monkeypatch):
 def test_unfit_shapes_and_dtypes_are_not_packed():
     lib = cpu_kernels.load_library()
     assert lib.srt_panel_width() in (32, 64)  # 4 vectors of 8 or 16 floats
-    assert not cpu_kernels.can_pack(lib, torch.zeros(2, 100, 64))  # not whole panels
     assert not cpu_kernels.can_pack(lib, torch.zeros(2, 128, 64, dtype=torch.bfloat16))
-    assert cpu_kernels.can_pack(lib, torch.zeros(2, 128, 64))
+    assert cpu_kernels.can_pack(lib, torch.zeros(2, 100, 64))
+    assert not cpu_kernels.fills_panels(lib, torch.zeros(2, 100, 64))  # not for the experts
+    assert cpu_kernels.fills_panels(lib, torch.zeros(2, 128, 64))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
@@ -115,9 +116,17 @@ def test_linear_on_panels_equals_f_linear(rows):
     assert out.dtype == torch.bfloat16
 
 
-def test_weights_that_do_not_fill_panels_keep_onednn():
-    packed = pack_weight(torch.randn(100, 64))
-    assert packed is None or not isinstance(packed, PanelWeight)
+@pytest.mark.parametrize("out_features", [5, 100, 129])
+def test_weights_that_do_not_fill_panels_pad_the_last_one(out_features):
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, 48)
+    packed = pack_weight(weight)
+    assert isinstance(packed, PanelWeight)
+    for rows in (1, 6, 33):
+        x = torch.randn(rows, 48)
+        out = linear(x, weight, packed=packed)
+        assert out.shape == (rows, out_features) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_rms_norm_equals_pytorch_on_views_and_with_residual():

@@ -59,7 +59,9 @@ class FusedMoE(nn.Module):
     def pack_weights(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
         lib = cpu_kernels.load_library()
-        if lib is not None and all(cpu_kernels.can_pack(lib, w) for w in weights):
+        if lib is not None and all(
+            cpu_kernels.can_pack(lib, w) and cpu_kernels.fills_panels(lib, w) for w in weights
+        ):
             self.kernel = lib
             self.panels = tuple(cpu_kernels.pack_panels(lib, w) for w in weights)
             return

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from srt.batch_overlap.operations import LayerState
 from srt.layers.dp_attention import max_chunk_tokens
+from srt.layers.linear import linear, pack_weight
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
@@ -38,11 +38,16 @@ class MoEGate(nn.Module):
             else None
         )
         self.fp32_logits = fp32_logits
+        self.packed_weight = None  # the CPU layout of the weight, set by pack_weights
+
+    def pack_weights(self) -> None:
+        self.packed_weight = pack_weight(self.weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
         if self.fp32_logits:
-            return F.linear(hidden_states.float(), self.weight.float())  # [T, E]
-        return F.linear(hidden_states, self.weight)  # [T, E]
+            hidden_states, weight = hidden_states.float(), weight.float()
+        return linear(hidden_states, weight, packed=self.packed_weight)  # [T, E]
 
 
 class SparseMoeBlock(nn.Module):
