@@ -11,7 +11,7 @@
 
 #include "cpu_kernels.h"
 
-#define HEAD_BLOCK 8 /* query heads per task */
+#define HEAD_BLOCK 4 /* query heads per task */
 
 /* a · b over n floats: VEC lanes (4 accumulators in turn), then the lanes and the tail. */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
@@ -25,26 +25,22 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return sum;
 }
 
-/* out[0:width] = Σ_j p[j] · v_j[col:col + width] for width 4·VEC, VEC or 1 (accumulators held
- * in registers across the keys). */
-static void weighted_rows(const float *p, const float *v, const int64_t *slots, int64_t len,
-                          int64_t v_stride, int64_t col, int64_t width, float *out) {
-    if (width == 4 * VEC) {
-        vec acc[4] = {{0}, {0}, {0}, {0}};
-        for (int64_t j = 0; j < len; j++) {
-            const float *row = v + slots[j] * v_stride + col;
-            for (int u = 0; u < 4; u++) acc[u] += p[j] * load_vec(row + u * VEC);
-        }
-        for (int u = 0; u < 4; u++) store_vec(out + u * VEC, acc[u]);
-    } else if (width == VEC) {
-        vec acc = {0};
-        for (int64_t j = 0; j < len; j++) acc += p[j] * load_vec(v + slots[j] * v_stride + col);
-        store_vec(out, acc);
-    } else {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < len; j++) acc += p[j] * v[slots[j] * v_stride + col];
-        *out = acc;
+/* out_h[0:w·VEC] = Σ_j p_h[j] · v_j[col:col + w·VEC] for the block's heads h < nh (p_h at
+ * p + h·len, out_h at out + h·out_ld), w ≤ 4 vectors: each value row is read once for all the
+ * heads, whose accumulators stay in registers across the keys. */
+static inline __attribute__((always_inline)) void weighted_rows(
+    const float *p, int64_t len, int64_t nh, const float *v, const int64_t *slots,
+    int64_t v_stride, int64_t col, int w, float *out, int64_t out_ld) {
+    vec acc[HEAD_BLOCK][4], row[4];
+    memset(acc, 0, sizeof acc);
+    for (int64_t j = 0; j < len; j++) {
+        for (int u = 0; u < w; u++) row[u] = load_vec(v + slots[j] * v_stride + col + u * VEC);
+        for (int h = 0; h < HEAD_BLOCK; h++)
+            if (h < nh)
+                for (int u = 0; u < w; u++) acc[h][u] += p[h * len + j] * row[u];
     }
+    for (int h = 0; h < nh; h++)
+        for (int u = 0; u < w; u++) store_vec(out + h * out_ld + col + u * VEC, acc[h][u]);
 }
 
 /* Softmax of s[0:len] in place; returns the sum of the exponentials. */
@@ -76,15 +72,20 @@ static void attend(const struct decode_attention *a, int64_t b, int64_t h0, int6
         for (int64_t h = 0; h < nh; h++) s[h * len + j] = a->scale * dot(q + h * a->dim, key, a->dim);
     }
     const float *v = a->v + kv * a->v_dim;
+    float *out = a->out + (b * a->heads + h0) * a->v_dim, inv[HEAD_BLOCK];
+    for (int64_t h = 0; h < nh; h++) inv[h] = 1.0f / exp_shifted(s + h * len, len);
+    int64_t c = 0;
+    for (; c + 4 * VEC <= a->v_dim; c += 4 * VEC)
+        weighted_rows(s, len, nh, v, slots, a->v_stride, c, 4, out, a->v_dim);
+    for (; c + VEC <= a->v_dim; c += VEC)
+        weighted_rows(s, len, nh, v, slots, a->v_stride, c, 1, out, a->v_dim);
     for (int64_t h = 0; h < nh; h++) {
-        float *p = s + h * len, *o = a->out + (b * a->heads + h0 + h) * a->v_dim;
-        float inv = 1.0f / exp_shifted(p, len);
-        int64_t c = 0;
-        for (; c + 4 * VEC <= a->v_dim; c += 4 * VEC)
-            weighted_rows(p, v, slots, len, a->v_stride, c, 4 * VEC, o + c);
-        for (; c + VEC <= a->v_dim; c += VEC) weighted_rows(p, v, slots, len, a->v_stride, c, VEC, o + c);
-        for (; c < a->v_dim; c++) weighted_rows(p, v, slots, len, a->v_stride, c, 1, o + c);
-        for (c = 0; c < a->v_dim; c++) o[c] *= inv;
+        float *o = out + h * a->v_dim;
+        for (int64_t t = c; t < a->v_dim; t++) { /* columns past the last whole vector */
+            o[t] = 0.0f;
+            for (int64_t j = 0; j < len; j++) o[t] += s[h * len + j] * v[slots[j] * a->v_stride + t];
+        }
+        for (int64_t t = 0; t < a->v_dim; t++) o[t] *= inv[h];
     }
 }
 
