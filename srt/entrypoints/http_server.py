@@ -18,6 +18,7 @@ from srt.managers.io_struct import GenerateReqInput
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.utils.logging import configure_logging
+from srt.utils.process import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ def launch_server(server_args: ServerArgs) -> None:
     # uvicorn re-raises SIGTERM after its graceful shutdown; turn it into an exit so the
     # process tree and the IPC directory are cleaned up below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    freeze_startup_heap()
     try:
         uvicorn.run(
             app,

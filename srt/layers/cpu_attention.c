@@ -14,11 +14,13 @@
 #define HEAD_BLOCK 4 /* query heads per task */
 
 /* a · b over n floats: VEC lanes (4 accumulators in turn), then the lanes and the tail. */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
+                                                       int64_t n) {
     vec acc[4] = {{0}, {0}, {0}, {0}};
     int64_t i = 0;
     for (; i + 4 * VEC <= n; i += 4 * VEC)
-        for (int u = 0; u < 4; u++) acc[u] += load_vec(a + i + u * VEC) * load_vec(b + i + u * VEC);
+        for (int u = 0; u < 4; u++)
+            acc[u] += load_vec(a + i + u * VEC) * load_vec(b + i + u * VEC);
     for (; i + VEC <= n; i += VEC) acc[0] += load_vec(a + i) * load_vec(b + i);
     float sum = sum_lanes((acc[0] + acc[1]) + (acc[2] + acc[3]));
     for (; i < n; i++) sum += a[i] * b[i];
@@ -69,7 +71,8 @@ static void attend(const struct decode_attention *a, int64_t b, int64_t h0, int6
     const float *q = a->q + (b * a->heads + h0) * a->dim;
     for (int64_t j = 0; j < len; j++) {
         const float *key = a->k + slots[j] * a->k_stride + kv * a->dim;
-        for (int64_t h = 0; h < nh; h++) s[h * len + j] = a->scale * dot(q + h * a->dim, key, a->dim);
+        for (int64_t h = 0; h < nh; h++)
+            s[h * len + j] = a->scale * dot(q + h * a->dim, key, a->dim);
     }
     const float *v = a->v + kv * a->v_dim;
     float *out = a->out + (b * a->heads + h0) * a->v_dim, inv[HEAD_BLOCK];
@@ -83,7 +86,8 @@ static void attend(const struct decode_attention *a, int64_t b, int64_t h0, int6
         float *o = out + h * a->v_dim;
         for (int64_t t = c; t < a->v_dim; t++) { /* columns past the last whole vector */
             o[t] = 0.0f;
-            for (int64_t j = 0; j < len; j++) o[t] += s[h * len + j] * v[slots[j] * a->v_stride + t];
+            for (int64_t j = 0; j < len; j++)
+                o[t] += s[h * len + j] * v[slots[j] * a->v_stride + t];
         }
         for (int64_t t = 0; t < a->v_dim; t++) o[t] *= inv[h];
     }
@@ -103,6 +107,7 @@ int srt_decode_attention_f32(const float *q, int64_t batch, int64_t heads, int64
     int64_t group = heads / kv_heads, blocks = (group + HEAD_BLOCK - 1) / HEAD_BLOCK;
     int64_t max_len = 0, tasks = batch * kv_heads * blocks, failed = 0;
     for (int64_t b = 0; b < batch; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    if (tasks == 0 || max_len == 0) return 0;
 #pragma omp parallel reduction(+ : failed) if (tasks > 1)
     {
         float *s = malloc(HEAD_BLOCK * max_len * sizeof *s);

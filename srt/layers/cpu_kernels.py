@@ -123,6 +123,7 @@ def can_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
 
 
 def fills_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> bool:
+    """Whether N is a whole number of panels (no padded columns)."""
     return weight.shape[-2] % lib.srt_panel_width() == 0
 
 
@@ -254,6 +255,8 @@ def decode_attention(
         raise ValueError("decode_attention: KV buffers must have contiguous heads")
     if v_buf.stride(1) != v_dim and kv_heads > 1:
         raise ValueError("decode_attention: value heads must be contiguous")
+    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
+        raise ValueError("decode_attention: req_to_token must be int64 with contiguous rows")
     rows = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = q.new_empty(batch, heads, v_dim)

@@ -36,12 +36,12 @@ class PanelWeight(NamedTuple):
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     """The weight ``[N, K]`` laid out for ``linear`` on CPU: in float32, the CPU kernels'
     panels (``srt.layers.cpu_kernels``: as fast as oneDNN for many rows, faster for the few rows
-    of decode; any N, the last panel padded); else oneDNN's blocked layout (bf16);
-    None where neither is available. oneDNN on CPU is several times faster than ``F.linear``
-    (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a poorly blocked one
-    for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also gives each row the
-    same result whatever the batch, so split and unsplit batches agree bit for bit.
-    Measured in ``docs/benchmarks.md``."""
+    of decode; any N, the last panel padded); else oneDNN's blocked layout (float32 without the
+    kernels, or bf16); None where neither is available. oneDNN on CPU is several times faster
+    than ``F.linear`` (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a
+    poorly blocked one for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also
+    gives each row the same result whatever the batch, so split and unsplit batches agree bit
+    for bit. Measured in ``docs/benchmarks.md``."""
     lib = cpu_kernels.load_library() if weight.dtype == torch.float32 else None
     if lib is not None and cpu_kernels.can_pack(lib, weight):
         return PanelWeight(lib, cpu_kernels.pack_panels(lib, weight), weight.shape[0])

@@ -9,7 +9,7 @@ from srt.managers.io_struct import BatchTokenIDOutput
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
-from srt.utils.process import set_parent_death_signal
+from srt.utils.process import freeze_startup_heap, set_parent_death_signal
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
@@ -21,6 +21,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
     context = zmq.Context()
     recv = Receiver(context, port_args.detokenizer_input, bind=True)
     send = Sender(context, port_args.tokenizer_input)
+    freeze_startup_heap()
     while True:
         msg = recv.recv()
         if not isinstance(msg, BatchTokenIDOutput):

@@ -42,7 +42,7 @@ from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
 from srt.utils.network import set_socket_ifname_for
-from srt.utils.process import set_parent_death_signal
+from srt.utils.process import freeze_startup_heap, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
@@ -178,6 +178,7 @@ def run_scheduler_process(
     except Exception:
         ready_writer.send({"status": "error", "error": traceback.format_exc()})
         raise
+    freeze_startup_heap()
     ready_writer.send(
         {
             "status": "ready",
