@@ -98,6 +98,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.is_neox_style = is_neox_style
         self.kernel = None  # the CPU kernels, set by pack_weights where they rotate
+        self.table_key: tuple | None = None  # this embedding's entry in _COS_SIN_TABLES
 
     def pack_weights(self) -> None:
         """Once loaded, on CPU: rotate float32 tensors in C (``cpu_kernels.rope``)."""
