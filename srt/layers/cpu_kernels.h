@@ -1,4 +1,5 @@
-/* What the CPU kernels' C files share: the vector type (one register) and a vectorizable exp. */
+/* What the CPU kernels' C files share: the vector type (one register), the sum of its lanes and
+ * a vectorizable exp. */
 
 #ifndef SRT_CPU_KERNELS_H
 #define SRT_CPU_KERNELS_H
