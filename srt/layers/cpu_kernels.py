@@ -170,9 +170,14 @@ def fused_experts(
         out.data_ptr(),
         work.data_ptr(),
     )
-    if status:
-        raise MemoryError("CPU expert kernel: out of memory for its work buffers")
+    _check_memory(status, "CPU expert kernel: out of memory for its work buffers")
     return out
+
+
+def _check_memory(status: int, message: str) -> None:
+    """The kernels return -1 where a buffer of their own could not be allocated."""
+    if status:
+        raise MemoryError(message)
 
 
 def _work_buffer(numel: int) -> torch.Tensor:
@@ -193,8 +198,7 @@ def panel_linear(
     status = lib.srt_panel_linear_f32(
         x.data_ptr(), x.shape[0], k_dim, panels.data_ptr(), out.shape[1], out.data_ptr()
     )
-    if status:
-        raise MemoryError("CPU linear kernel: out of memory for its last panel")
+    _check_memory(status, "CPU linear kernel: out of memory for its last panel")
     return out
 
 
@@ -266,8 +270,7 @@ def decode_attention(
         req_to_token.data_ptr(), req_to_token.stride(0), rows.data_ptr(), lens.data_ptr(),
         scale, out.data_ptr(),
     )  # fmt: skip
-    if status:
-        raise MemoryError("CPU decode attention: out of memory for its score buffers")
+    _check_memory(status, "CPU decode attention: out of memory for its score buffers")
     return out
 
 

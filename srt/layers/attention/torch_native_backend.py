@@ -61,6 +61,8 @@ class TorchNativeMetadata:
     kv_indices: torch.Tensor | None = None  # [B, L]
     kv_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
     extend_groups: list[ExtendGroup] | None = None
+    # Decode in the CPU kernel, which reads the batch's own request rows and lengths instead.
+    in_place: bool = False
 
 
 def group_extend(prefix_lens: list[int], new_lens: list[int]) -> list[list[int]]:
@@ -129,7 +131,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.forward_mode.is_decode() and self._kernel_decodes(batch):
-            batch.attn_metadata = TorchNativeMetadata()  # the kernel reads the batch's own rows
+            batch.attn_metadata = TorchNativeMetadata(in_place=True)
         elif batch.forward_mode.is_decode():
             table = batch.req_to_token_pool.req_to_token
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
@@ -186,7 +188,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
         pool = batch.token_to_kv_pool
-        if meta.kv_indices is None:
+        if meta.in_place:
             return cpu_kernels.decode_attention(
                 self.decode_kernel,
                 q,
