@@ -1,7 +1,9 @@
 """CPU kernels in C for float32: a linear layer over weights packed in panels
 (``panel_linear``), the routed experts of a MoE layer in one call (``fused_experts``) and
 RMSNorm with its residual add (``rms_norm``), all in ``cpu_kernels.c``; decode attention over the
-paged KV cache (``decode_attention``) and rotary embedding (``rope``), in ``cpu_attention.c``.
+paged KV cache (``decode_attention``) and rotary embedding (``rope``), in ``cpu_attention.c``;
+causal extend attention over the same cache (``extend_attention``), in
+``cpu_extend_attention.c``.
 
 The C files are compiled on first use with the machine's C compiler for the machine's own
 instruction set, into a cache directory keyed by the source, the compiler and the processor
@@ -29,7 +31,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_attention.c")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_extend_attention.c")
+]
 HEADER = Path(__file__).with_suffix(".h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -109,6 +114,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.srt_decode_attention_f32.restype = ctypes.c_int
     lib.srt_decode_attention_f32.argtypes = (
         [_ptr] + [_i64] * 3 + [_ptr, _i64, _ptr] + [_i64] * 3 + [_ptr, _i64, _ptr, _ptr]
+        + [ctypes.c_float, _ptr]
+    )  # fmt: skip
+    lib.srt_extend_attention_f32.restype = ctypes.c_int
+    lib.srt_extend_attention_f32.argtypes = (
+        [_ptr] + [_i64] * 3 + [_ptr, _i64, _ptr] + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 4
         + [ctypes.c_float, _ptr]
     )  # fmt: skip
     lib.srt_rope_f32.restype = ctypes.c_int
@@ -254,13 +264,8 @@ def decode_attention(
     ``req_to_token``. Returns ``[B, H, Dv]``."""
     q = q.contiguous()
     batch, heads, dim = q.shape
+    _check_cache_layout(k_buf, v_buf, req_to_token, dim, "decode_attention")
     _, kv_heads, v_dim = v_buf.shape
-    if k_buf.stride(2) != 1 or k_buf.stride(1) != dim or v_buf.stride(2) != 1:
-        raise ValueError("decode_attention: KV buffers must have contiguous heads")
-    if v_buf.stride(1) != v_dim and kv_heads > 1:
-        raise ValueError("decode_attention: value heads must be contiguous")
-    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
-        raise ValueError("decode_attention: req_to_token must be int64 with contiguous rows")
     rows = req_pool_indices.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = q.new_empty(batch, heads, v_dim)
@@ -271,6 +276,47 @@ def decode_attention(
         scale, out.data_ptr(),
     )  # fmt: skip
     _check_memory(status, "CPU decode attention: out of memory for its score buffers")
+    return out
+
+
+def _check_cache_layout(k_buf, v_buf, req_to_token, dim: int, name: str) -> None:
+    kv_heads, v_dim = v_buf.shape[1:]
+    if k_buf.stride(2) != 1 or k_buf.stride(1) != dim or v_buf.stride(2) != 1:
+        raise ValueError(f"{name}: KV buffers must have contiguous heads")
+    if v_buf.stride(1) != v_dim and kv_heads > 1:
+        raise ValueError(f"{name}: value heads must be contiguous")
+    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
+        raise ValueError(f"{name}: req_to_token must be int64 with contiguous rows")
+
+
+def extend_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' cached ones, read in place:
+    ``q [T, H, D]`` holds each sequence's new tokens in turn; ``seqs [4, B]`` (int64) holds, per
+    sequence, its row of ``req_to_token``, its cached prefix length, its number of new tokens
+    and its first row of ``q``. The new tokens' keys and values must already be in the cache
+    (``k_buf [slots, Hk, D]``, ``v_buf [slots, Hk, Dv]``). Returns ``[T, H, Dv]``."""
+    if seqs.dtype != torch.int64 or seqs.dim() != 2 or seqs.shape[0] != 4 or seqs.stride(1) != 1:
+        raise ValueError("extend_attention: seqs must be int64 [4, B] with contiguous rows")
+    q = q.contiguous()
+    tokens, heads, dim = q.shape
+    _check_cache_layout(k_buf, v_buf, req_to_token, dim, "extend_attention")
+    _, kv_heads, v_dim = v_buf.shape
+    out = q.new_empty(tokens, heads, v_dim)
+    status = lib.srt_extend_attention_f32(
+        q.data_ptr(), seqs.shape[1], heads, dim,
+        k_buf.data_ptr(), k_buf.stride(0), v_buf.data_ptr(), v_buf.stride(0), v_dim, kv_heads,
+        req_to_token.data_ptr(), req_to_token.stride(0),
+        *(seqs[i].data_ptr() for i in range(4)), scale, out.data_ptr(),
+    )  # fmt: skip
+    _check_memory(status, "CPU extend attention: out of memory for its tiles")
     return out
 
 

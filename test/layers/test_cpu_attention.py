@@ -1,8 +1,9 @@
-"""The CPU attention kernels (``srt.layers.cpu_kernels``): decode attention over the paged KV
-cache equals attention computed in float64 from the gathered slots, for grouped-query and MLA
-layouts, and gives a sequence the same bits whatever batch it comes in; the C rotary embedding
-equals PyTorch's for both layouts, grows its table past the model's range and refuses negative
-positions."""
+"""The CPU attention kernels (``srt.layers.cpu_kernels``): decode and extend attention over the
+paged KV cache equal attention computed in float64 from the gathered slots (decode for
+grouped-query and MLA layouts; extend causal, after cached prefixes) and give a token the same
+bits whatever batch it comes in (extend: also wherever its sequence was split); the C rotary
+embedding equals PyTorch's for both layouts, grows its table past the model's range and refuses
+negative positions."""
 
 from __future__ import annotations
 
@@ -73,6 +74,58 @@ def test_decode_attention_gives_a_sequence_the_same_bits_in_any_batch():
     whole = run(slice(None))
     assert torch.equal(whole, torch.cat([run(slice(0, 5)), run(slice(5, None))]))
     assert torch.equal(whole, torch.cat([run(slice(i, i + 1)) for i in range(ROWS)]))
+
+
+def _extend_reference(q, k_buf, v_buf, table, seqs, scale) -> torch.Tensor:
+    out = torch.empty(q.shape[0], q.shape[1], v_buf.shape[2])
+    for row, prefix, new, start in seqs.t().tolist():
+        slots, group = table[row, : prefix + new], q.shape[1] // k_buf.shape[1]
+        key = k_buf[slots].repeat_interleave(group, 1).double()  # [L, H, D]
+        value = v_buf[slots].repeat_interleave(group, 1).double()
+        scores = torch.einsum("thd,lhd->htl", q[start : start + new].double(), key) * scale
+        causal = torch.arange(prefix + new)[None, :] <= prefix + torch.arange(new)[:, None]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out[start : start + new] = torch.einsum("htl,lhd->thd", probs, value).float()
+    return out
+
+
+def _extend_seqs(rows: list[int], prefix: list[int], new: list[int]) -> torch.Tensor:
+    starts = [sum(new[:i]) for i in range(len(new))]
+    return torch.tensor([rows, prefix, new, starts])
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,v_dim",
+    [(10, 2, 64, 64), (12, 12, 32, 32), (20, 2, 72, 72), (4, 4, 16, 16), (8, 1, 128, 96)],
+)
+def test_extend_attention_equals_reference(heads, kv_heads, dim, v_dim):
+    torch.manual_seed(dim + heads)
+    k_buf, v_buf = torch.randn(SLOTS, kv_heads, dim), torch.randn(SLOTS, kv_heads, v_dim)
+    table = torch.randperm(SLOTS)[:600].view(4, 150).repeat(2, 1)  # rows share slots: fine
+    # One token, prefixes at and around the 64-key blocks, a sequence longer than two blocks.
+    seqs = _extend_seqs([3, 0, 7, 1, 5, 2], [0, 5, 17, 0, 63, 64], [1, 70, 33, 130, 2, 65])
+    q = torch.randn(int(seqs[2].sum()), heads, dim)
+    lib, scale = cpu_kernels.load_library(), 1 / math.sqrt(dim)
+    out = cpu_kernels.extend_attention(lib, q, k_buf, v_buf, table, seqs, scale)
+    expected = _extend_reference(q, k_buf, v_buf, table, seqs, scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_extend_attention_gives_a_token_the_same_bits_however_its_sequence_is_split():
+    torch.manual_seed(0)
+    k_buf, v_buf = torch.randn(SLOTS, 2, 64), torch.randn(SLOTS, 2, 64)
+    table = torch.randperm(SLOTS)[:400].view(2, 200)
+    q = torch.randn(190, 10, 64)
+    lib = cpu_kernels.load_library()
+    run = lambda rows, prefix, new, q_rows: cpu_kernels.extend_attention(  # noqa: E731
+        lib, q[q_rows], k_buf, v_buf, table, _extend_seqs(rows, prefix, new), 0.125
+    )
+    whole = run([0, 1], [0, 10], [130, 60], slice(None))
+    # The first sequence cut at token 50 (its tail then has a prefix of 50) and batched apart.
+    head = run([0], [0], [50], slice(0, 50))
+    tail = run([0, 1], [50, 10], [80, 60], slice(50, None))
+    assert torch.equal(whole, torch.cat([head, tail]))
+    assert torch.equal(whole[130:], run([1], [10], [60], slice(130, None)))
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,

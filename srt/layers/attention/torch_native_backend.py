@@ -17,9 +17,11 @@ index table and mask built once per forward in ``init_forward_metadata``:
 Rows (KV slots, queries) are gathered with ``index_select`` on tensors viewed as rows: several
 times faster on CPU than indexing with a tensor.
 
-On CPU in float32 with the CPU kernels built, decode skips all of that: one C call per layer
-reads each sequence's slots in place (``cpu_kernels.decode_attention``), and the metadata is
-just the batch's own request rows and lengths.
+On CPU in float32 with the CPU kernels built, attention skips all of that: one C call per
+layer reads each sequence's slots in place (``cpu_kernels.decode_attention``, and for extend
+``cpu_kernels.extend_attention``, causal after the cached prefix, its output written straight
+into ``[T, H, Dv]``); the metadata is just the batch's own request rows and lengths. MLA's
+extend, which expands keys and values from its cached latent, stays on SDPA.
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ class TorchNativeMetadata:
     kv_indices: torch.Tensor | None = None  # [B, L]
     kv_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
     extend_groups: list[ExtendGroup] | None = None
-    # Decode in the CPU kernel, which reads the batch's own request rows and lengths instead.
+    # Attention in the CPU kernels, which read the KV cache in place: decode takes the batch's
+    # own request rows and lengths; extend takes per sequence [row, prefix, new tokens, first
+    # row of q] as columns of ``extend_seqs`` [4, B].
     in_place: bool = False
+    extend_seqs: torch.Tensor | None = None
 
 
 def group_extend(prefix_lens: list[int], new_lens: list[int]) -> list[list[int]]:
@@ -117,21 +122,33 @@ def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> Ex
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, decode_kernel: ctypes.CDLL | None = None):
-        """``decode_kernel``: the CPU kernels' library (``cpu_kernels.load_library``), for
-        float32 decode on CPU; None keeps SDPA."""
-        self.decode_kernel = decode_kernel
+    def __init__(self, kernels: ctypes.CDLL | None = None):
+        """``kernels``: the CPU kernels' library (``cpu_kernels.load_library``), for float32
+        attention on CPU; None keeps SDPA."""
+        self.kernels = kernels
 
-    def _kernel_decodes(self, batch: ForwardBatch) -> bool:
+    def _in_kernel(self, batch: ForwardBatch) -> bool:
         return (
-            self.decode_kernel is not None
+            self.kernels is not None
             and batch.input_ids.device.type == "cpu"
             and batch.token_to_kv_pool.dtype == torch.float32
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode() and self._kernel_decodes(batch):
+        if batch.forward_mode.is_decode() and self._in_kernel(batch):
             batch.attn_metadata = TorchNativeMetadata(in_place=True)
+        elif (
+            batch.forward_mode.is_extend()
+            and self._in_kernel(batch)
+            and not batch.token_to_kv_pool.values_in_keys  # MLA expands its latent: SDPA
+        ):
+            new = batch.extend_seq_lens_cpu
+            starts = [0, *itertools.accumulate(new[:-1])]
+            seqs = torch.tensor([batch.extend_prefix_lens_cpu, new, starts], dtype=torch.int64)
+            rows = batch.req_pool_indices.to(torch.int64)[None, :]
+            batch.attn_metadata = TorchNativeMetadata(
+                in_place=True, extend_seqs=torch.cat((rows, seqs))
+            )
         elif batch.forward_mode.is_decode():
             table = batch.req_to_token_pool.req_to_token
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
@@ -153,10 +170,18 @@ class TorchNativeAttnBackend(AttentionBackend):
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        meta: TorchNativeMetadata = batch.attn_metadata
+        if meta.in_place:
+            if layer.kv_from_cache is not None:
+                raise RuntimeError("in-place extend attention reads keys as cached, not expanded")
+            return cpu_kernels.extend_attention(
+                self.kernels, q, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
+                meta.extend_seqs, layer.scaling,
+            )  # fmt: skip
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         # On CPU, SDPA's fused kernel takes grouped KV heads as they are (same bits, no copy).
         gqa = q.device.type == "cpu"
-        for group in batch.attn_metadata.extend_groups:
+        for group in meta.extend_groups:
             key = gather_slots(k_buf, group.kv_indices)
             if layer.kv_from_cache is not None:
                 key, value = _expanded_kv(key, layer)
@@ -190,7 +215,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         if meta.in_place:
             return cpu_kernels.decode_attention(
-                self.decode_kernel,
+                self.kernels,
                 q,
                 pool.get_key_buffer(layer.layer_id),
                 pool.get_value_buffer(layer.layer_id),
