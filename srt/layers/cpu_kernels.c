@@ -7,10 +7,11 @@
  * bound by reading the weights: a panel is streamed once for all rows. The experts' call
  * runs in one parallel region per layer:
  *   1. route: (token, slot) pairs sorted by local expert (counting sort, stable);
- *   2. gate_up = x · W13ᵀ for every active expert, panels shared out among threads;
- *   3. act = silu(gate) · up;
- *   4. down = act · W2ᵀ, as 2;
- *   5. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
+ *   2. act = silu(x · W1ᵀ) · (x · W3ᵀ) for every active expert, its tokens' rows of x read in
+ *      place, gate and up panels shared out among threads in pairs, so the activation is taken
+ *      a block of rows at a time and neither product is written out whole;
+ *   3. down = act · W2ᵀ, panels shared out as in 2;
+ *   4. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
  * Every output element is a sequential sum over k whatever the number of rows, so a token's
  * result does not depend on the batch it came in (split and unsplit batches agree). */
 
@@ -34,15 +35,31 @@ int srt_kernel_is_fast(void) {
 #endif
 }
 
-/* y[i, 0:PANEL] = Σ_k x[i, k] · panel[k, 0:PANEL] for i < m ≤ ROWS: the accumulators stay in
- * registers when m is a constant (the inlined full block). `hold` keeps the panel's row in
- * registers too (full blocks, compute-bound): FMAs that each load it again are load-bound.
- * Partial blocks (decode: a few rows per expert) stream the panel from memory, and there the
- * FMAs' own loads are faster. Either way every element is the same sum in the same order. */
-static inline __attribute__((always_inline)) void block_gemm(const float *x, int64_t m,
-                                                             int64_t ldx, const float *panel,
+/* Where a GEMM's input rows lie: row i at base + (order ? order[i] / div : i) · ld (the experts'
+ * first GEMM reads each token's row of x in place for every slot routed to it). */
+struct rows {
+    const float *base;
+    int64_t ld;
+    const int64_t *order;
+    int64_t div;
+};
+
+static inline const float *row_at(const struct rows *x, int64_t i) {
+    return x->base + (x->order ? x->order[i] / x->div : i) * x->ld;
+}
+
+/* y[i, 0:PANEL] = Σ_k x_i[k] · panel[k, 0:PANEL] for rows x_i = row_at(x, r + i), i < m ≤ ROWS:
+ * the accumulators stay in registers when m is a constant (the inlined full block). `hold`
+ * keeps the panel's row in registers too (full blocks, compute-bound): FMAs that each load it
+ * again are load-bound. Partial blocks (decode: a few rows per expert) stream the panel from
+ * memory, and there the FMAs' own loads are faster. Either way every element is the same sum
+ * in the same order. */
+static inline __attribute__((always_inline)) void block_gemm(const struct rows *x, int64_t r,
+                                                             int64_t m, const float *panel,
                                                              int64_t k_dim, float *y, int64_t ldy,
                                                              int hold) {
+    const float *in[ROWS];
+    for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
     vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < k_dim; k++) {
@@ -53,7 +70,7 @@ static inline __attribute__((always_inline)) void block_gemm(const float *x, int
         if (hold) __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
 #endif
         for (int64_t i = 0; i < m; i++) {
-            float s = x[i * ldx + k];
+            float s = in[i][k];
             acc[i][0] += s * w0;
             acc[i][1] += s * w1;
             acc[i][2] += s * w2;
@@ -64,34 +81,67 @@ static inline __attribute__((always_inline)) void block_gemm(const float *x, int
         for (int q = 0; q < 4; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);
 }
 
-/* y[r, 0:PANEL] for r < n, in blocks of ROWS rows; x rows ldx apart, y rows ldy. */
-static void panel_gemm(const float *x, int64_t n, int64_t ldx, const float *panel, int64_t k_dim,
+/* y[r, 0:PANEL] for rows r < n of x, in blocks of ROWS rows; y rows ldy apart. */
+static void panel_gemm(const struct rows *x, int64_t n, const float *panel, int64_t k_dim,
                        float *y, int64_t ldy) {
     int64_t r = 0;
-    for (; r + ROWS <= n; r += ROWS)
-        block_gemm(x + r * ldx, ROWS, ldx, panel, k_dim, y + r * ldy, ldy, 1);
-    if (r < n) block_gemm(x + r * ldx, n - r, ldx, panel, k_dim, y + r * ldy, ldy, 0);
+    for (; r + ROWS <= n; r += ROWS) block_gemm(x, r, ROWS, panel, k_dim, y + r * ldy, ldy, 1);
+    if (r < n) block_gemm(x, r, n - r, panel, k_dim, y + r * ldy, ldy, 0);
 }
 
-/* act[j] = silu(gate[j]) · up[j] for j < n. */
-static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
-    for (int64_t j = 0; j < n; j++) act[j] = gate[j] / (1.0f + fast_exp(-gate[j])) * up[j];
+/* act[r, 0:PANEL] = silu(gate) · up for rows r < n of x, gate and up the products with two
+ * panels, block by block of ROWS rows (neither is written out whole). */
+static void act_gemm(const struct rows *x, int64_t n, const float *gate_panel,
+                     const float *up_panel, int64_t k_dim, float *act, int64_t ld_act) {
+    float gate[ROWS * PANEL], up[ROWS * PANEL];
+    for (int64_t r = 0; r < n; r += ROWS) {
+        int64_t m = n - r < ROWS ? n - r : ROWS;
+        if (m == ROWS) {
+            block_gemm(x, r, ROWS, gate_panel, k_dim, gate, PANEL, 1);
+            block_gemm(x, r, ROWS, up_panel, k_dim, up, PANEL, 1);
+        } else {
+            block_gemm(x, r, m, gate_panel, k_dim, gate, PANEL, 0);
+            block_gemm(x, r, m, up_panel, k_dim, up, PANEL, 0);
+        }
+        for (int64_t i = 0; i < m; i++) {
+            const float *g = gate + i * PANEL, *u = up + i * PANEL;
+            float *a = act + (r + i) * ld_act;
+            for (int64_t j = 0; j < PANEL; j++) a[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+        }
+    }
 }
 
-/* Rows [begin, begin + count) of `in` ([P, k_dim]) times the panels of every active expert:
- * out [P, n_dim]. Inside a parallel region, each thread takes a contiguous share of every
- * expert's panels: balanced however unevenly the tokens went to experts, and each thread
- * streams its weights in order. Ends with a barrier. */
-static void experts_gemm(const float *in, int64_t k_dim, const float *weights, int64_t n_dim,
-                         const int64_t *active, int64_t num_active, const int64_t *begin,
-                         const int64_t *count, float *out) {
-    int64_t panels = n_dim / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
+/* act = silu(x · W1ᵀ) · (x · W3ᵀ) [routed, I] for every active expert, its rows of x read in
+ * place (inside a parallel region): each thread takes a contiguous share of every expert's
+ * gate panels (and the matching up panels), balanced however unevenly the tokens went to
+ * experts. Ends with a barrier. */
+static void experts_act(const float *x, int64_t hidden, const int64_t *order, int64_t topk,
+                        const float *w13, int64_t inter, const int64_t *active,
+                        int64_t num_active, const int64_t *begin, const int64_t *count,
+                        float *act) {
+    int64_t panels = inter / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t a = 0; a < num_active; a++) {
         int64_t e = active[a];
+        struct rows rows = {x, hidden, order + begin[e], topk};
+        const float *w = w13 + e * 2 * panels * hidden * PANEL;
         for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
-            panel_gemm(in + begin[e] * k_dim, count[e], k_dim,
-                       weights + (e * panels + b) * k_dim * PANEL, k_dim,
-                       out + begin[e] * n_dim + b * PANEL, n_dim);
+            act_gemm(&rows, count[e], w + b * hidden * PANEL, w + (panels + b) * hidden * PANEL,
+                     hidden, act + begin[e] * inter + b * PANEL, inter);
+    }
+#pragma omp barrier
+}
+
+/* down = act · W2ᵀ [routed, H] for every active expert, shared out as in experts_act. */
+static void experts_down(const float *act, int64_t inter, const float *w2, int64_t hidden,
+                         const int64_t *active, int64_t num_active, const int64_t *begin,
+                         const int64_t *count, float *down) {
+    int64_t panels = hidden / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t a = 0; a < num_active; a++) {
+        int64_t e = active[a];
+        struct rows rows = {act + begin[e] * inter, inter, NULL, 1};
+        for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
+            panel_gemm(&rows, count[e], w2 + (e * panels + b) * inter * PANEL, inter,
+                       down + begin[e] * hidden + b * PANEL, hidden);
     }
 #pragma omp barrier
 }
@@ -153,7 +203,7 @@ static void combine(const float *down, const struct routing *r, const float *wei
 
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
  * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL]; out [T, H].
- * `work` holds T·topk·(2H + 3I) floats; the caller keeps it from call to call, because fresh
+ * `work` holds T·topk·(H + I) floats; the caller keeps it from call to call, because fresh
  * buffers this large are mapped anew by malloc and every first touch of a page faults.
  * Returns 0, or -1 when out of memory. */
 int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
@@ -165,21 +215,13 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
         free_routing(&r);
         return -1;
     }
-    /* gathered rows [routed, H] | gate_up [routed, 2I] | act [routed, I] | down [routed, H] */
-    float *rows = work, *gate_up = rows + r.routed * hidden;
-    float *act = gate_up + r.routed * 2 * inter, *down = act + r.routed * inter;
+    /* act [routed, I] | down [routed, H] */
+    float *act = work, *down = act + r.routed * inter;
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < r.routed; i++)
-            memcpy(rows + i * hidden, x + r.order[i] / topk * hidden, hidden * sizeof *rows);
-        experts_gemm(rows, hidden, w13, 2 * inter, r.active, r.num_active, r.begin, r.count,
-                     gate_up);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < r.routed; i++)
-            silu_mul(gate_up + i * 2 * inter, gate_up + i * 2 * inter + inter, act + i * inter,
-                     inter);
-        experts_gemm(act, inter, w2, hidden, r.active, r.num_active, r.begin, r.count, down);
+        experts_act(x, hidden, r.order, topk, w13, inter, r.active, r.num_active, r.begin,
+                    r.count, act);
+        experts_down(act, inter, w2, hidden, r.active, r.num_active, r.begin, r.count, down);
         combine(down, &r, weights, num_tokens, topk, hidden, out);
     }
     free_routing(&r);
@@ -193,13 +235,14 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
 int srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
                          int64_t n_dim, float *y) {
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
+    struct rows rows = {x, k_dim, NULL, 1};
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < full; b++)
-        panel_gemm(x, n, k_dim, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
+        panel_gemm(&rows, n, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
     if (rest == 0 || n == 0) return 0;
     float *last = malloc(n * PANEL * sizeof *last);
     if (last == NULL) return -1;
-    panel_gemm(x, n, k_dim, panels + full * k_dim * PANEL, k_dim, last, PANEL);
+    panel_gemm(&rows, n, panels + full * k_dim * PANEL, k_dim, last, PANEL);
     for (int64_t i = 0; i < n; i++)
         memcpy(y + i * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
     free(last);

@@ -164,7 +164,7 @@ def fused_experts(
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     num_experts, _, inter, _ = w2_panels.shape
-    work = _work_buffer(ids.numel() * (2 * x.shape[1] + 3 * inter))
+    work = _work_buffer(ids.numel() * (x.shape[1] + inter))
     status = lib.srt_fused_experts_f32(
         x.data_ptr(),
         x.shape[0],

@@ -17,7 +17,7 @@ from srt.layers.moe.fused_moe import FusedMoE
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load_library() is None, reason="no C compiler to build the kernel"
 )
-HIDDEN, INTER = 128, 96  # w13 [192, 128], w2 [128, 96]: several panels each
+HIDDEN, INTER = 128, 128  # w13 [256, 128], w2 [128, 128]: several panels each
 
 
 def _experts(ep_rank: int = 0, ep_size: int = 1) -> tuple[FusedMoE, FusedMoE]:
@@ -87,6 +87,13 @@ def test_off_by_environment_or_without_compiler(monkeypatch):
         assert moe.panels is None  # the PyTorch path, oneDNN layouts where available
     finally:
         cpu_kernels.load_library.cache_clear()
+
+
+def test_experts_whose_gate_does_not_fill_panels_stay_in_pytorch():
+    inter = cpu_kernels.load_library().srt_panel_width() * 3 // 2
+    experts = FusedMoE(4, HIDDEN, inter)  # w13: 3 whole panels, but gate and up split one
+    experts.pack_weights()
+    assert experts.panels is None and experts.kernel is None
 
 
 def test_unfit_shapes_and_dtypes_are_not_packed():

@@ -59,8 +59,11 @@ class FusedMoE(nn.Module):
     def pack_weights(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
         lib = cpu_kernels.load_library()
-        if lib is not None and all(
-            cpu_kernels.can_pack(lib, w) and cpu_kernels.fills_panels(lib, w) for w in weights
+        gate = self.w13_weight[:, : self.w2_weight.shape[-1]]  # its panels pair with up's
+        if (
+            lib is not None
+            and all(cpu_kernels.can_pack(lib, w) for w in weights)
+            and all(cpu_kernels.fills_panels(lib, w) for w in (gate, self.w2_weight))
         ):
             self.kernel = lib
             self.panels = tuple(cpu_kernels.pack_panels(lib, w) for w in weights)
