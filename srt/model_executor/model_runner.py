@@ -41,6 +41,7 @@ from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
 from srt.server_args import ServerArgs
+from srt.utils.process import keep_heap_pages
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class ModelRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._init_model()
         self._init_memory_pools()
+        if self.device.type == "cpu":
+            keep_heap_pages()  # activations reuse pages instead of faulting in fresh ones
         self.tbo_config = TboConfig.from_server_args(server_args)
         kernels = cpu_kernels.load_library() if self.device.type == "cpu" else None
         self.attn_backend = (

@@ -3,10 +3,12 @@ down (non-zero exit, naming the child) when one dies."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import multiprocessing as mp
 import os
+import platform
 import signal
 import threading
 import time
@@ -33,6 +35,25 @@ def freeze_startup_heap() -> None:
     it. vLLM's engine core freezes its start-up heap the same way."""
     gc.collect()
     gc.freeze()
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_heap_pages() -> bool:
+    """Serve every allocation from the heap and keep freed pages mapped for the next one
+    (glibc malloc; elsewhere nothing changes and False is returned). By default glibc maps
+    each block above its mmap threshold (which rises with use, up to 32 MiB) on its own and
+    unmaps it when freed, and trims the heap's top once enough of it is free, so each step
+    touches fresh pages again: 40 000 to 100 000 page faults, 0.15-0.3 s of kernel time, in
+    one prefill of 16 x 128 tokens of a 1-GB model. vLLM's CPU guide preloads tcmalloc for the
+    same reason. The process then holds its peak heap (up to 2 GiB of free pages at its
+    top)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def start_child(name: str, target: Callable[..., None], *args: Any, ready: bool = True) -> Child:
