@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine"]
+__version__ = "0.1.0"
+__all__ = ["Engine", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

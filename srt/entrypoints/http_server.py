@@ -13,8 +13,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from srt import __version__
 from srt.entrypoints.launcher import launch_subprocesses, run_follower_node
-from srt.managers.io_struct import GenerateReqInput
+from srt.managers.io_struct import UNSUPPORTED_FIELDS, GenerateReqInput, is_unset
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.utils.logging import configure_logging
@@ -43,10 +44,15 @@ async def parse_generate_request(request: Request) -> GenerateReqInput:
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     names = {f.name for f in dataclasses.fields(GenerateReqInput)} - {"is_single", "batch_size"}
-    unknown = sorted(set(body) - names)
+    unknown = sorted(set(body) - names - set(UNSUPPORTED_FIELDS))
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(unknown)}")
-    return GenerateReqInput(**body)
+    refused = sorted(
+        k for k in body if k in UNSUPPORTED_FIELDS and not is_unset(body[k], UNSUPPORTED_FIELDS[k])
+    )
+    if refused:
+        raise ValueError(f"not supported by this server: {', '.join(refused)}")
+    return GenerateReqInput(**{k: v for k, v in body.items() if k in names})
 
 
 async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
@@ -80,22 +86,39 @@ def add_native_routes(
             pass
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> Response:
-        return json_response(
-            {
-                "model_path": server_args.model_path,
-                "tokenizer_path": server_args.tokenizer_path,
-                "is_generation": True,
-            }
-        )
+    def model_info() -> dict:
+        config = tm.hf_config
+        return {
+            "model_path": server_args.model_path,
+            "served_model_name": tm.served_model_name,
+            "tokenizer_path": server_args.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> Response:
+    async def server_info() -> dict:
         states = await tm.get_internal_state()
-        return json_response(
-            {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": states}
-        )
+        return {
+            **dataclasses.asdict(server_args),
+            **scheduler_info,
+            "internal_states": states,
+            "version": __version__,
+        }
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's older name
+    async def get_model_info() -> Response:
+        return json_response(model_info())
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name
+    async def get_server_info() -> Response:
+        return json_response(await server_info())
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

@@ -2,12 +2,14 @@
 
 Per request it keeps the ids so far and two offsets, as SGLang: text is committed only when it
 does not end in U+FFFD (an incomplete UTF-8 sequence split across byte-level tokens). When a
-request finishes, the text is cut before a matched stop string, and a matched stop token is
-left out of the text.
+request finishes, the text is cut before a matched stop string or stop regex, and a matched
+stop token is left out of the text (all of them kept, the text cut after the match, with
+``no_stop_trim``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +56,7 @@ class DetokenizerManager:
         if finished is None:
             return self._incremental(status, kwargs)
         del self.decode_status[rid]
-        return self._final_text(status.decode_ids, finished, kwargs)
+        return self._final_text(status.decode_ids, finished, kwargs, recv.no_stop_trim[i])
 
     def _decode(self, ids: list[int], kwargs: dict) -> str:
         try:
@@ -71,13 +73,19 @@ class DetokenizerManager:
             s.surr_offset, s.read_offset = s.read_offset, len(s.decode_ids)
         return s.decoded_text
 
-    def _final_text(self, ids: list[int], finished: dict, kwargs: dict) -> str:
+    def _final_text(self, ids: list[int], finished: dict, kwargs: dict, keep: bool) -> str:
         matched = finished.get("matched") if finished.get("type") == "stop" else None
-        if isinstance(matched, int) and ids and ids[-1] == matched:
+        if isinstance(matched, int) and ids and ids[-1] == matched and not keep:
             ids = ids[:-1]
         text = self._decode(ids, kwargs)
-        if isinstance(matched, str) and matched:
+        if not isinstance(matched, str) or not matched:
+            return text
+        if finished.get("regex"):
+            found = re.search(matched, text)
+            span = (found.start(), found.end()) if found else None
+        else:
             pos = text.find(matched)
-            if pos != -1:
-                text = text[:pos]
-        return text
+            span = (pos, pos + len(matched)) if pos != -1 else None
+        if span is None:
+            return text
+        return text[: span[1]] if keep else text[: span[0]]

@@ -17,6 +17,49 @@ LogprobPair = tuple[float | None, int]
 TopLogprobs = list[LogprobPair] | None
 
 
+# SGLang's GenerateReqInput fields that srt does not implement, with the values (besides null)
+# that leave them unused; clients such as sglang.bench_serving send some of them on every
+# request. Any other value is refused with the field's name, never ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    **dict.fromkeys(
+        """
+        session_id input_embeds image_data video_data audio_data mm_hashes mm_content_hashes
+        video_config watermark token_ids_logprob sampling_logprobs_mode modalities
+        session_params lora_path lora_id custom_logit_processor positional_embed_overrides
+        bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size
+        routed_dp_rank data_parallel_rank disagg_prefill_dp_rank kv_router_hint routing_key
+        conversation_id http_worker_ipc max_thinking_tokens priority extra_key custom_labels
+        external_trace_header received_time need_wait_for_mm_inputs num_items_assigned
+        encoder_urls max_dynamic_patch min_dynamic_patch image_max_dynamic_patch
+        video_max_dynamic_patch images_config mm_processor_kwargs multi_item_delimiter_indices
+        token_indices_to_pool cache_salt kv_hints
+        """.split(),
+        (),
+    ),
+    **dict.fromkeys(
+        """
+        use_audio_in_video return_sampling_mask return_flat_raw_top_logprobs
+        return_flat_raw_output_top_logprobs return_flat_raw_top_logprobs_b64
+        return_hidden_states return_routed_experts return_indexer_topk background
+        require_reasoning return_bytes return_entropy return_prompt_token_ids
+        """.split(),
+        (False,),
+    ),
+    "routed_experts_start_len": (0,),
+}
+
+
+# Whole-request flags of GenerateReqInput and their defaults (null means the default).
+_FLAGS = {"stream": False, "return_text_in_logprobs": False, "log_metrics": True, "no_logs": False}
+
+
+def is_unset(value: Any, unused: tuple) -> bool:
+    """Null, one of the values that leave a field unused, or a list of such (one per prompt)."""
+    if isinstance(value, list):
+        return all(is_unset(v, unused) for v in value)
+    return value is None or any(type(value) is type(u) and value == u for u in unused)
+
+
 def _is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -34,7 +77,10 @@ class GenerateReqInput:
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
     stream: bool = False
+    log_metrics: bool = True  # False: left out of /metrics (health checks)
+    no_logs: bool = False  # nothing of a request's content is logged in any case
     # Set by normalize_batch_and_arguments().
     is_single: bool = True
     batch_size: int = 1
@@ -53,10 +99,11 @@ class GenerateReqInput:
         self.rid = self._expand("rid", self.rid, str, None)
         if len(set(self.rid)) != n:
             raise ValueError("rid: request ids in a batch must be distinct")
-        if self.stream is None:
-            self.stream = False
-        if not isinstance(self.stream, bool):
-            raise ValueError(f"stream must be a boolean, got {self.stream!r}")
+        for name, default in _FLAGS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+            elif not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     def _check_prompt(self) -> None:
         if (self.text is None) == (self.input_ids is None):
@@ -117,7 +164,10 @@ class GenerateReqInput:
             return_logprob=self.return_logprob[i],
             logprob_start_len=self.logprob_start_len[i],
             top_logprobs_num=self.top_logprobs_num[i],
+            return_text_in_logprobs=self.return_text_in_logprobs,
             stream=self.stream,
+            log_metrics=self.log_metrics,
+            no_logs=self.no_logs,
         )
 
 
@@ -183,6 +233,7 @@ class BatchTokenIDOutput:
     output_ids: list[list[int]]  # new ids since the previous message of this rid
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from srt.managers.io_struct import BatchStrOutput, GenerateReqInput
@@ -17,16 +18,16 @@ LOGPROB_KEYS = (
 )
 
 
-def with_text(entries: list) -> list:
-    """(logprob, id) pairs → (logprob, id, None); top-logprob rows alike (None stays None)."""
+def with_text(entries: list, text_of: Callable[[int], str | None]) -> list:
+    """(logprob, id) pairs → (logprob, id, text); top-logprob rows alike (None stays None)."""
     out = []
     for entry in entries:
         if entry is None:
             out.append(None)
         elif isinstance(entry, list):
-            out.append([(lp, tid, None) for lp, tid in entry])
+            out.append([(lp, tid, text_of(tid)) for lp, tid in entry])
         else:
-            out.append((entry[0], entry[1], None))
+            out.append((entry[0], entry[1], text_of(entry[1])))
     return out
 
 
@@ -45,6 +46,8 @@ class ReqState:
             "cached_tokens": 0,
         }
         self.logprobs: dict[str, list] = {k: [] for k in LOGPROB_KEYS}
+        self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # return_text_in_logprobs: decoded once per id
 
     def update(self, out: BatchStrOutput, i: int) -> None:
         self.text = out.output_strs[i]
@@ -66,6 +69,17 @@ class ReqState:
         if self.finished:
             meta["e2e_latency"] = time.perf_counter() - self.created
         if self.obj.return_logprob:
+            text_of = self._token_text if self.obj.return_text_in_logprobs else _no_text
             for key, values in self.logprobs.items():
-                meta[key] = with_text(values)
+                meta[key] = with_text(values, text_of)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+    def _token_text(self, token_id: int) -> str:
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _no_text(token_id: int) -> None:
+    return None

@@ -7,6 +7,7 @@ the cache tree (locked through ``last_node``), the rest to the request.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,11 @@ def finish_length(n: int) -> dict:
 
 def finish_stop(matched: int | str) -> dict:
     return {"type": "stop", "matched": matched}
+
+
+def finish_stop_regex(pattern: str) -> dict:
+    """The output text matched a stop_regex (``matched`` is the pattern)."""
+    return {"type": "stop", "matched": pattern, "regex": True}
 
 
 def finish_abort(message: str) -> dict:
@@ -142,6 +148,13 @@ class Req:
             for stop_str in params.stop:
                 if stop_str in tail:
                     self.finished_reason = finish_stop(stop_str)
+                    return
+        if params.stop_regex and tokenizer is not None:
+            # A match may span any number of tokens: search the whole output.
+            text = tokenizer.decode(self.output_ids)
+            for pattern in params.stop_regex:
+                if re.search(pattern, text):
+                    self.finished_reason = finish_stop_regex(pattern)
                     return
 
     def reset_for_retract(self) -> None:

@@ -7,6 +7,7 @@ and retraction), the cache tree (RadixCache or ChunkCache) and SchedulerOutputPr
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
@@ -20,6 +21,7 @@ from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+GEN_THROUGHPUT_STEPS = 40  # decode steps per last_gen_throughput window, as SGLang's log
 
 
 def max_req_len(context_len: int, max_total_tokens: int) -> int:
@@ -104,6 +106,13 @@ class Scheduler:
         self.dp_rank = self.model_runner.parallel.attn_dp_rank
         self.last_sync_all_idle = True  # DP attention: the last MLP sync found no work anywhere
         self.num_idle_forward_steps = 0
+        # Decode tokens per second over the last GEN_THROUGHPUT_STEPS decode steps.
+        self.last_gen_throughput = 0.0
+        self.gen_window: tuple[float, int, int] = (
+            time.perf_counter(),
+            0,
+            0,
+        )  # start, steps, tokens
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -268,7 +277,16 @@ class Scheduler:
             self.running_batch.reqs.extend(new_running)
         else:
             self.output_processor.process_decode(batch, logits_output, next_ids)
+            self._count_decode_tokens(len(batch.reqs))
             self.running_batch.filter_batch()
+
+    def _count_decode_tokens(self, num_tokens: int) -> None:
+        start, steps, tokens = self.gen_window
+        steps, tokens, now = steps + 1, tokens + num_tokens, time.perf_counter()
+        if steps >= GEN_THROUGHPUT_STEPS:
+            self.last_gen_throughput = tokens / max(now - start, 1e-9)
+            start, steps, tokens = now, 0, 0
+        self.gen_window = (start, steps, tokens)
 
     # ------------------------------------------------------------------ state
     def load(self) -> tuple[int, int]:
@@ -315,6 +333,7 @@ class Scheduler:
             raise RuntimeError("request row leak or cache tree still locked while idle")
 
     def get_internal_state(self) -> dict:
+        pool = self.model_runner.token_to_kv_pool
         free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
         return {
             "dp_rank": self.dp_rank,
@@ -333,6 +352,15 @@ class Scheduler:
             "num_idle_forward_steps": self.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
             **self._overlap_step_counts(),
+            # Read by SGLang's benchmark clients.
+            "dp_size": self.server_args.dp_size if self.enable_dp_attention else 1,
+            "effective_max_running_requests_per_dp": self.max_running_requests,
+            "last_gen_throughput": self.last_gen_throughput,
+            "memory_usage": {
+                "weight": round(self.model_runner.weight_bytes / 2**30, 3),
+                "kvcache": round(self.max_total_num_tokens * pool.bytes_per_token() / 2**30, 3),
+                "token_capacity": self.max_total_num_tokens,
+            },
         }
 
     def _overlap_step_counts(self) -> dict:

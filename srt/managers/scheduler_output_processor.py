@@ -118,6 +118,7 @@ class SchedulerOutputProcessor:
             spaces_between_special_tokens=[
                 r.sampling_params.spaces_between_special_tokens for r in reqs
             ],
+            no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
             prompt_tokens=[len(r.origin_input_ids) for r in reqs],
             completion_tokens=[len(r.output_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
@@ -129,7 +130,11 @@ class SchedulerOutputProcessor:
 
     @staticmethod
     def _has_news(req: Req) -> bool:
-        return len(req.output_ids) > req.sent_output_len
+        """A streamed request is sent its first token at once, then every ``stream_interval``
+        tokens (every step by default)."""
+        unsent = len(req.output_ids) - req.sent_output_len
+        interval = req.sampling_params.stream_interval or 1
+        return unsent >= interval or (unsent > 0 and req.sent_output_len == 0)
 
     @staticmethod
     def _add_logprob_deltas(out: BatchTokenIDOutput, req: Req) -> None:

@@ -4,6 +4,7 @@ them to the scheduler, and streams detokenized results back to each caller."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,12 +35,13 @@ DISCONNECT_CHECK_S = 1.0
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict):
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.server_args = server_args
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
+        self.hf_config = AutoConfig.from_pretrained(server_args.model_path)
         self.context_len = scheduler_info["context_len"]
         self.vocab_size = scheduler_info["vocab_size"]
         self.max_req_input_len = scheduler_info["max_req_input_len"]
@@ -113,6 +115,9 @@ class TokenizerManager:
         self._ensure_handle_loop()
         obj.normalize_batch_and_arguments()
         items = [obj[i] for i in range(obj.batch_size)]
+        if any(_num_samples(item) > 1 for item in items):
+            # n samples per prompt: a list of outputs, the prompt's n samples together.
+            items, obj.is_single = await self.expand_parallel_samples(items, request), False
         tokenized = [self.tokenize(item) for item in items]
         if any(item.rid in self.rid_to_state for item in items):
             raise ValueError("rid: a request with this id is already running")
@@ -125,6 +130,49 @@ class TokenizerManager:
                 yield out
         else:
             yield await self._gather_final(states, request)
+
+    async def expand_parallel_samples(
+        self, items: list[GenerateReqInput], request: Any = None
+    ) -> list[GenerateReqInput]:
+        """Single requests → one request per sample: a request with ``n`` > 1 becomes n copies
+        (rids ``{rid}-{i}``; with a ``sampling_seed``, copy i samples with seed + i). Each such
+        prompt is first prefilled once without output, so that its copies find it in the
+        prefix cache and compute only their last prompt token. Raises ValueError for bad input
+        before anything runs."""
+        items = [_single(item) for item in items]
+        for item in items:
+            self.tokenize(item)
+        prompts = [item for item in items if _num_samples(item) > 1]
+        warmups = [
+            dataclasses.replace(
+                item,
+                rid=f"{item.rid}-prefix",
+                sampling_params={**item.sampling_params, "max_new_tokens": 0, "n": 1},
+                return_logprob=False,
+                logprob_start_len=-1,
+                top_logprobs_num=0,
+                stream=False,
+                log_metrics=False,
+            )
+            for item in prompts
+        ]
+        states = [self._submit(w, self.tokenize(w)) for w in warmups]
+        await asyncio.gather(*(self._final(state, request) for state in states))
+        expanded = []
+        for item in items:
+            n = _num_samples(item)
+            if n == 1:
+                expanded.append(item)
+                continue
+            seed = item.sampling_params.get("sampling_seed")
+            for i in range(n):
+                params = {**item.sampling_params, "n": 1}
+                if seed is not None:
+                    params["sampling_seed"] = seed + i
+                expanded.append(
+                    dataclasses.replace(item, rid=f"{item.rid}-{i}", sampling_params=params)
+                )
+        return expanded
 
     def _submit(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(obj, len(tokenized.input_ids), self.tokenizer)
@@ -257,6 +305,21 @@ class TokenizerManager:
             state = self.rid_to_state.get(rid)
             if state is None:
                 continue  # aborted and forgotten
-            self.metrics.observe(state, out, i, now)
+            if state.obj.log_metrics:
+                self.metrics.observe(state, out, i, now)
             state.update(out, i)
             state.event.set()
+
+
+def _single(item: GenerateReqInput) -> GenerateReqInput:
+    """A normalized copy of a single request (idempotent)."""
+    item = dataclasses.replace(item)
+    item.normalize_batch_and_arguments()
+    if not item.is_single:
+        raise ValueError("expected a single prompt")
+    return item[0]
+
+
+def _num_samples(item: GenerateReqInput) -> int:
+    n = (item.sampling_params or {}).get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1

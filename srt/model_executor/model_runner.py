@@ -104,8 +104,8 @@ class ModelRunner:
             else TorchNativeAttnBackend(kernels)
         )
         self.sampler = Sampler(server_args.random_seed)
-        model_bytes = sum(p.nbytes for p in self.model.parameters())
-        self.cpu_threads = CpuThreads.from_server_args(server_args, model_bytes)
+        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        self.cpu_threads = CpuThreads.from_server_args(server_args, self.weight_bytes)
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
         self.sbo = server_args.enable_single_batch_overlap

@@ -28,6 +28,7 @@ class SamplingBatchInfo:
     output_counts: torch.Tensor | None = None  # [B, V] float32, occurrences in the output
     repetition_scales: torch.Tensor | None = None  # [B, V] penalty on seen tokens, else 1
     min_tokens_block: torch.Tensor | None = None  # [2, K] (row, token) pairs set to -inf
+    logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits
 
     @classmethod
     def from_params(
@@ -46,6 +47,7 @@ class SamplingBatchInfo:
         info._init_frequency_presence(params, output_ids, device)
         info._init_repetition(params, output_ids, input_ids, device)
         info._init_min_tokens_block(params, output_ids, eos_token_ids, device)
+        info._init_logit_bias(params, device)
         return info
 
     @classmethod
@@ -124,23 +126,35 @@ class SamplingBatchInfo:
         if any(blocked):
             self.min_tokens_block = penalties.block_index(blocked, self.vocab_size, device)
 
+    def _init_logit_bias(self, params: Sequence[SamplingParams], device: torch.device | str):
+        if not any(p.logit_bias for p in params):
+            return
+        self.logit_bias = torch.zeros(len(params), self.vocab_size, device=device)
+        for row, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                self.logit_bias[row, int(token)] = bias
+
     @property
     def has_penalties(self) -> bool:
         return (
             self.output_counts is not None
             or self.repetition_scales is not None
             or self.min_tokens_block is not None
+            or self.logit_bias is not None
         )
 
     def apply_penalties_(self, logits: torch.Tensor) -> None:
         """Apply every penalty to `logits` [B, V] in place. Order as vLLM: repetition scaling,
-        then frequency and presence subtraction, then the min_new_tokens block."""
+        then frequency and presence subtraction, then the logit bias, then the
+        min_new_tokens block."""
         if self.repetition_scales is not None:
             penalties.apply_repetition_(logits, self.repetition_scales)
         if self.output_counts is not None:
             penalties.apply_frequency_presence_(
                 logits, self.output_counts, self.frequency_penalties, self.presence_penalties
             )
+        if self.logit_bias is not None:
+            logits += self.logit_bias
         if self.min_tokens_block is not None:
             penalties.apply_block_(logits, self.min_tokens_block)
 

@@ -84,7 +84,13 @@ def test_openai_completion(client: openai.OpenAI, tokenizer, qwen3_moe_path: str
     chunks = list(
         client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     )
-    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(out.usage)
+    # The same prompt a third time: all but its last token came from the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == num_prompt - 1
+
+
+def counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
 
 
 def test_openai_chat(client: openai.OpenAI, tokenizer, qwen3_moe_path: str) -> None:
@@ -107,7 +113,7 @@ def test_openai_chat(client: openai.OpenAI, tokenizer, qwen3_moe_path: str) -> N
     assert content == choice.message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(out.usage)
     assert all(c.usage is None for c in chunks[:-1])
 
 

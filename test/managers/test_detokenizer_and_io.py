@@ -11,13 +11,16 @@ from srt.managers.io_struct import BatchTokenIDOutput, GenerateReqInput
 TEXT = "héllo 你好 🙂 wörld"
 
 
-def _msg(rid: str, ids: list[int], finished: dict | None = None, skip: bool = True):
+def _msg(
+    rid: str, ids: list[int], finished: dict | None = None, skip: bool = True, trim: bool = True
+):
     return BatchTokenIDOutput(
         rids=[rid],
         finished_reasons=[finished],
         output_ids=[ids],
         skip_special_tokens=[skip],
         spaces_between_special_tokens=[True],
+        no_stop_trim=[not trim],
         prompt_tokens=[1],
         completion_tokens=[len(ids)],
         cached_tokens=[0],

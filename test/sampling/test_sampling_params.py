@@ -93,9 +93,9 @@ def test_out_of_range_names_field(field, value):
         p.verify(vocab_size=100)
 
 
-def test_n_greater_than_one_rejected():
-    with pytest.raises(ValueError, match="n > 1 is not supported yet"):
-        SamplingParams(n=2).verify()
+def test_n_below_one_rejected():
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        SamplingParams(n=0).verify()
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,48 @@
 """The OpenAI wire format: request models (with SGLang's sampling extras) and response and
 stream-chunk models for /v1/completions, /v1/chat/completions and /v1/models.
 
-Unknown request fields are ignored, as OpenAI does; fields of features this server does not
-implement are accepted by the models and refused by ``check_supported`` with a clear message.
+Unknown request fields are ignored, as OpenAI does. Fields of features this server does not
+implement (OpenAI's and SGLang's extras) are accepted at the values that leave them unused and
+refused by ``check_supported``, naming them, when set to anything else.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from srt.managers.io_struct import is_unset
+
 MAX_TOP_LOGPROBS = 20
+
+# SGLang's request extras that srt does not implement, with the values that leave them unused.
+_UNSUPPORTED_EXTRAS: dict[str, tuple] = {
+    **dict.fromkeys(
+        """
+        json_schema regex ebnf lora_path session_id session_params custom_params
+        custom_logit_processor watermark images_config mm_processor_kwargs data_parallel_rank
+        rid extra_key cache_salt priority custom_labels sampling_logprobs_mode reasoning_effort
+        thinking task max_dynamic_patch min_dynamic_patch video_config input_ids
+        """.split(),
+        (),
+    ),
+    **dict.fromkeys(
+        """
+        return_hidden_states return_routed_experts return_cached_tokens_details
+        return_spec_tokens_details return_token_ids return_prompt_token_ids return_meta_info
+        return_input_ids_in_sglext return_output_ids_in_sglext return_sampling_mask
+        return_flat_raw_output_top_logprobs return_flat_raw_top_logprobs_b64
+        continue_final_message use_audio_in_video
+        """.split(),
+        (False,),
+    ),
+    "routed_experts_start_len": (0,),
+    # Only read with a reasoning parser, which this server has none of: any value is a no-op.
+    "separate_reasoning": (True, False),
+    "stream_reasoning": (True, False),
+}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -23,8 +53,15 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(OpenAIBaseModel):
+    type: str
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat: the model, streaming, and sampling."""
+
+    model_config = ConfigDict(extra="allow")  # kept, so check_supported sees SGLang's extras
+    unsupported_extras: ClassVar[dict[str, tuple]] = _UNSUPPORTED_EXTRAS
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
@@ -47,6 +84,9 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    stop_regex: str | list[str] | None = None
+    no_stop_trim: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -54,10 +94,20 @@ class SamplingRequest(OpenAIBaseModel):
 
     def check_supported(self) -> None:
         """Raise ValueError for a feature this server does not implement."""
-        if self.n != 1:
-            raise ValueError(f"n > 1 is not supported (n={self.n})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        extras = self.model_extra or {}
+        refused = sorted(
+            name
+            for name, unused in self.unsupported_extras.items()
+            if name in extras and not is_unset(extras[name], unused)
+        )
+        if refused:
+            raise ValueError(f"not supported by this server: {', '.join(refused)}")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                f"response_format of type '{self.response_format.type}' is not supported"
+            )
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang's sampling_params dict; unset fields are left to the runtime's defaults."""
@@ -76,6 +126,10 @@ class SamplingRequest(OpenAIBaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "sampling_seed": self.seed,
+            "stop_regex": self.stop_regex,
+            "no_stop_trim": self.no_stop_trim,
+            "logit_bias": self.logit_bias,
+            "n": self.n if self.n > 1 else None,
         }
         return {name: value for name, value in params.items() if value is not None}
 
@@ -90,8 +144,6 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
@@ -111,10 +163,6 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -124,7 +172,7 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -132,10 +180,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tools and function calling are not supported")
         if self.function_call not in (None, "none", "auto"):
             raise ValueError("tools and function calling are not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format of type '{self.response_format.type}' is not supported"
-            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
@@ -150,10 +194,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _OptionalUsage(OpenAIBaseModel):

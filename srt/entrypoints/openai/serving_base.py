@@ -63,6 +63,8 @@ class OpenAIServingBase:
                 created=int(time.time()),
             )
             objs = self.build_inputs(req, ctx)
+            if req.n > 1:  # n choices per prompt, the prompt prefilled once for all of them
+                objs = await self.tm.expand_parallel_samples(objs, request)
             if req.stream:
                 streams = await open_streams(self.tm, objs, request)
                 chunks = self.stream_chunks(req, ctx, len(objs), merge_streams(streams))

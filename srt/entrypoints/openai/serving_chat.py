@@ -63,11 +63,13 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     conversation = message_dicts(messages)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            conversation, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
         )
     except Exception as e:  # no template, or the template refuses the conversation (jinja)
         raise OpenAIError(f"cannot apply the chat template: {e}") from None
@@ -97,7 +99,7 @@ class OpenAIServingChat(OpenAIServingBase):
     def build_inputs(
         self, req: ChatCompletionRequest, ctx: RequestContext
     ) -> list[GenerateReqInput]:
-        input_ids = chat_prompt_ids(self.tm.tokenizer, req.messages)
+        input_ids = chat_prompt_ids(self.tm.tokenizer, req.messages, req.chat_template_kwargs)
         return [
             GenerateReqInput(
                 input_ids=input_ids,
@@ -126,21 +128,24 @@ class OpenAIServingChat(OpenAIServingBase):
     def build_response(
         self, req: ChatCompletionRequest, ctx: RequestContext, outs: list[dict]
     ) -> ChatCompletionResponse:
-        out = outs[0]
-        meta = out["meta_info"]
-        num_tokens = len(meta.get("output_token_logprobs") or [])
-        choice = ChatCompletionChoice(
-            index=0,
-            message=ChatResponseMessage(content=out["text"]),
-            logprobs=self._logprobs(req, meta, 0, num_tokens),
-            finish_reason=finish_reason(meta),
-        )
+        choices = []
+        for index, out in enumerate(outs):
+            meta = out["meta_info"]
+            num_tokens = len(meta.get("output_token_logprobs") or [])
+            choices.append(
+                ChatCompletionChoice(
+                    index=index,
+                    message=ChatResponseMessage(content=out["text"]),
+                    logprobs=self._logprobs(req, meta, 0, num_tokens),
+                    finish_reason=finish_reason(meta),
+                )
+            )
         return ChatCompletionResponse(
             id=ctx.request_id,
             created=ctx.created,
             model=ctx.model,
-            choices=[choice],
-            usage=usage_of([meta]),
+            choices=choices,
+            usage=usage_of([out["meta_info"] for out in outs], req.n),
         )
 
     async def stream_chunks(
@@ -165,7 +170,7 @@ class OpenAIServingChat(OpenAIServingBase):
             if reason is not None:
                 yield self._chunk(ctx, index, DeltaMessage(), reason=reason)
         if req.include_usage:
-            usage = usage_of([state.meta_info for state in states])
+            usage = usage_of([state.meta_info for state in states], req.n)
             yield ChatCompletionStreamResponse(
                 id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=usage
             )

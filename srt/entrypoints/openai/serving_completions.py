@@ -37,18 +37,17 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 def completion_logprobs(
-    tokenizer: Any, meta_info: dict, start: int, stop: int, text_offset: int, num_top: int
+    tokenizer: Any, entries: list, rows: list, text_offset: int, num_top: int
 ) -> CompletionLogprobs:
-    """The legacy logprobs object for output tokens [start, stop); offsets count from the
-    start of the completion text (echo is not supported)."""
-    entries = (meta_info.get("output_token_logprobs") or [])[start:stop]
+    """The legacy logprobs object for (logprob, id[, text]) entries and their top-logprob rows
+    (None where there are none); offsets count from ``text_offset``."""
     tokens = [token_text(tokenizer, entry) for entry in entries]
     offsets = list(accumulate((len(t) for t in tokens), initial=text_offset))[:-1]
     top_logprobs = None
     if num_top > 0:
         top_logprobs = [
             None if row is None else {token_text(tokenizer, e): e[0] for e in row[:num_top]}
-            for row in top_rows(meta_info, start, stop)
+            for row in rows
         ]
     return CompletionLogprobs(
         tokens=tokens,
@@ -56,6 +55,13 @@ def completion_logprobs(
         top_logprobs=top_logprobs,
         text_offset=offsets,
     )
+
+
+def prompt_logprob_rows(meta_info: dict) -> tuple[list, list]:
+    """The prompt's entries and top rows (echo); the first token has no logprob."""
+    entries = meta_info.get("input_token_logprobs") or []
+    rows = list(meta_info.get("input_top_logprobs") or [])
+    return entries, rows + [None] * (len(entries) - len(rows))
 
 
 class OpenAIServingCompletion(OpenAIServingBase):
@@ -66,6 +72,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         prompts = split_prompts(req.prompt)
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(max_tokens)
+        echo_logprobs = req.echo and req.logprobs is not None
         return [
             GenerateReqInput(
                 text=prompt if isinstance(prompt, str) else None,
@@ -73,11 +80,19 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 sampling_params=dict(params),
                 rid=ctx.rid(index, len(prompts)),
                 return_logprob=req.logprobs is not None,
+                logprob_start_len=0 if echo_logprobs else None,
                 top_logprobs_num=req.logprobs or 0,
                 stream=req.stream,
             )
             for index, prompt in enumerate(prompts)
         ]
+
+    def _echo_text(self, req: CompletionRequest, choice: int) -> str:
+        """The prompt of a choice, when echoed (choices are n per prompt)."""
+        if not req.echo:
+            return ""
+        prompt = split_prompts(req.prompt)[choice // req.n]
+        return prompt if isinstance(prompt, str) else self.tm.tokenizer.decode(prompt)
 
     def build_response(
         self, req: CompletionRequest, ctx: RequestContext, outs: list[dict]
@@ -89,12 +104,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
             choices.append(
                 CompletionChoice(
                     index=index,
-                    text=out["text"],
-                    logprobs=self._logprobs(req, meta, 0, num_tokens, 0),
+                    text=self._echo_text(req, index) + out["text"],
+                    logprobs=self._logprobs(req, meta, 0, num_tokens, 0, echo=req.echo),
                     finish_reason=finish_reason(meta),
                 )
             )
-        return self._response(ctx, choices, usage_of([out["meta_info"] for out in outs]))
+        return self._response(ctx, choices, usage_of([o["meta_info"] for o in outs], req.n))
 
     async def stream_chunks(
         self,
@@ -104,12 +119,14 @@ class OpenAIServingCompletion(OpenAIServingBase):
         outs: AsyncIterator[tuple[int, dict]],
     ) -> AsyncGenerator[CompletionResponse, None]:
         states = [ChoiceStream() for _ in range(num_choices)]
+        echo_pending = [req.echo] * num_choices  # the prompt goes out with the first chunk
         async for index, out in outs:
             state, meta = states[index], out["meta_info"]
             state.meta_info = meta
             reason = finish_reason(meta)
-            text = state.text_delta(out["text"])
-            logprobs = self._stream_logprobs(req, state, meta)
+            echo, echo_pending[index] = echo_pending[index], False
+            text = (self._echo_text(req, index) if echo else "") + state.text_delta(out["text"])
+            logprobs = self._stream_logprobs(req, state, meta, echo)
             if text or logprobs is not None:
                 yield self._response(
                     ctx, [CompletionChoice(index=index, text=text, logprobs=logprobs)]
@@ -119,25 +136,37 @@ class OpenAIServingCompletion(OpenAIServingBase):
                     ctx, [CompletionChoice(index=index, text="", finish_reason=reason)]
                 )
         if req.include_usage:
-            yield self._response(ctx, [], usage_of([state.meta_info for state in states]))
+            yield self._response(ctx, [], usage_of([s.meta_info for s in states], req.n))
 
     def _stream_logprobs(
-        self, req: CompletionRequest, state: ChoiceStream, meta: dict
+        self, req: CompletionRequest, state: ChoiceStream, meta: dict, echo: bool
     ) -> CompletionLogprobs | None:
         start, stop = state.new_logprob_range(meta)
-        if req.logprobs is None or start == stop:
+        if req.logprobs is None or (start == stop and not echo):
             return None
-        logprobs = self._logprobs(req, meta, start, stop, state.logprob_chars)
+        logprobs = self._logprobs(req, meta, start, stop, state.logprob_chars, echo)
         state.logprob_chars += sum(len(token) for token in logprobs.tokens)
         return logprobs
 
     def _logprobs(
-        self, req: CompletionRequest, meta: dict, start: int, stop: int, text_offset: int
+        self,
+        req: CompletionRequest,
+        meta: dict,
+        start: int,
+        stop: int,
+        text_offset: int,
+        echo: bool = False,
     ) -> CompletionLogprobs | None:
+        """Logprobs of output tokens [start, stop), after the prompt's with ``echo``."""
         if req.logprobs is None:
             return None
+        entries = (meta.get("output_token_logprobs") or [])[start:stop]
+        rows = top_rows(meta, start, stop)
+        if echo:
+            prompt_entries, prompt_rows = prompt_logprob_rows(meta)
+            entries, rows = prompt_entries + entries, prompt_rows + rows
         tokenizer = self.tm.tokenizer
-        return completion_logprobs(tokenizer, meta, start, stop, text_offset, req.logprobs)
+        return completion_logprobs(tokenizer, entries, rows, text_offset, req.logprobs)
 
     @staticmethod
     def _response(ctx: RequestContext, choices: list, usage: Any = None) -> CompletionResponse:

@@ -11,7 +11,7 @@ import orjson
 from fastapi import Request, Response
 from pydantic import BaseModel, ValidationError
 
-from srt.entrypoints.openai.protocol import ErrorResponse, UsageInfo
+from srt.entrypoints.openai.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_LISTED_ERRORS = 3
@@ -110,11 +110,17 @@ def _error_type(status: int) -> str:
     return "BadRequestError" if status < 500 else "InternalServerError"
 
 
-def usage_of(metas: list[dict]) -> UsageInfo:
-    prompt = sum(meta.get("prompt_tokens", 0) for meta in metas)
+def usage_of(metas: list[dict], n: int = 1) -> UsageInfo:
+    """Usage of the choices' final meta infos; with ``n`` samples per prompt (a prompt's
+    samples together) each prompt counts once."""
+    prompt = sum(meta.get("prompt_tokens", 0) for meta in metas[::n])
+    cached = sum(meta.get("cached_tokens", 0) for meta in metas[::n])
     completion = sum(meta.get("completion_tokens", 0) for meta in metas)
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

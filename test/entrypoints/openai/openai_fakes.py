@@ -1,5 +1,6 @@
 """A deterministic stand-in for the TokenizerManager, with the interface the OpenAI layer uses:
-``generate_request``, ``tokenizer``, ``served_model_name``, ``model_path``, ``context_len``.
+``generate_request``, ``expand_parallel_samples``, ``tokenizer``, ``served_model_name``,
+``model_path``, ``context_len``.
 
 Every request answers with the words of CANNED, one token each, cut by ``max_new_tokens``
 (finish "length") or by a stop string (finish "stop", the stop string trimmed), else ending with
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 from typing import Any
 
@@ -72,6 +74,19 @@ class FakeTokenizerManager:
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(obj.rid)
             raise
+
+    async def expand_parallel_samples(self, items: list[GenerateReqInput], request: Any = None):
+        """n copies of each request (rids ``{rid}-{i}``), as the real one does."""
+        for item in items:
+            self._check(item)
+        out = []
+        for item in items:
+            n = (item.sampling_params or {}).get("n") or 1
+            for i in range(n):
+                params = {**item.sampling_params, "n": 1}
+                rid = item.rid if n == 1 else f"{item.rid}-{i}"
+                out.append(dataclasses.replace(item, rid=rid, sampling_params=params))
+        return out
 
     def _check(self, obj: GenerateReqInput) -> int:
         copy.deepcopy(obj).normalize_batch_and_arguments()  # a valid single request

@@ -34,6 +34,7 @@ def test_chat(client, tm) -> None:
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 2,
         "total_tokens": len(prompt_ids) + 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     (obj,) = tm.requests
     assert obj.input_ids == prompt_ids and obj.text is None  # no second BOS

@@ -15,6 +15,9 @@ def test_models(client) -> None:
     assert missing.status_code == 404 and missing.json()["object"] == "error"
 
 
+NO_CACHE = {"prompt_tokens_details": {"cached_tokens": 0}}
+
+
 def test_completion(client, tm) -> None:
     body = {
         "model": MODEL,
@@ -36,7 +39,12 @@ def test_completion(client, tm) -> None:
     assert out["choices"] == [
         {"index": 0, "text": "Hello world!", "logprobs": None, "finish_reason": "length"}
     ]
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        **NO_CACHE,
+    }
     (obj,) = tm.requests
     assert obj.text == "Hi" and obj.input_ids is None and obj.stream is False
     assert obj.rid == out["id"] and obj.return_logprob is False
@@ -73,7 +81,12 @@ def test_completion_token_ids_and_several_prompts(client, tm) -> None:
     out = client.post("/v1/completions", json={"prompt": ["a", "bcd"], "max_tokens": 2}).json()
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert [c["text"] for c in out["choices"]] == ["Hello world"] * 2
-    assert out["usage"] == {"prompt_tokens": 2 + 4, "completion_tokens": 4, "total_tokens": 10}
+    assert out["usage"] == {
+        "prompt_tokens": 2 + 4,
+        "completion_tokens": 4,
+        "total_tokens": 10,
+        **NO_CACHE,
+    }
     client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 1})
     assert [r.input_ids for r in tm.requests[-2:]] == [[1, 2], [3]]
     assert len({r.rid for r in tm.requests}) == len(tm.requests)
@@ -114,7 +127,12 @@ def test_completion_stream(client, tm) -> None:
     assert offsets == [[0], [5], [11]]
     assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"Hello": -0.5}]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        **NO_CACHE,
+    }
 
 
 def test_completion_stream_several_prompts(client) -> None:
@@ -154,3 +172,21 @@ def test_token_text_from_the_runtime_is_used() -> None:
     body = {"prompt": "Hi", "max_tokens": 2, "logprobs": 0}
     logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["<0>", "<1>"] and logprobs["text_offset"] == [0, 3]
+
+
+def test_n_choices_per_prompt(client, tm) -> None:
+    body = {"prompt": ["a", "bcd"], "max_tokens": 2, "n": 2}
+    out = client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [r.text for r in tm.requests] == ["a", "a", "bcd", "bcd"]
+    assert len({r.rid for r in tm.requests}) == 4
+    # Each prompt counts once, each choice's tokens count.
+    assert out["usage"]["prompt_tokens"] == 2 + 4 and out["usage"]["completion_tokens"] == 8
+
+
+def test_echo(client, tm) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "echo": True}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == "HiHello world"
+    events = sse_events(client, "/v1/completions", {**body, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "HiHello world"
+    assert events[0]["choices"][0]["text"].startswith("Hi")

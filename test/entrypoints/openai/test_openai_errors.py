@@ -54,15 +54,19 @@ def test_wrong_types(client, tm, url: str, body: dict, words: list[str]) -> None
 @pytest.mark.parametrize(
     "url, body, words",
     [
-        (COMPLETIONS, {"prompt": "x", "n": 2}, ["n > 1 is not supported"]),
-        (CHAT, {"messages": USER, "n": 2}, ["n > 1 is not supported"]),
+        (COMPLETIONS, {"prompt": "x", "n": 0}, ["n must be at least 1"]),
+        (CHAT, {"messages": USER, "regex": "a+"}, ["not supported", "regex"]),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "lora_path": "a", "return_hidden_states": True},
+            ["lora_path, return_hidden_states"],
+        ),
         (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, ["gpt-4", MODEL]),
         (CHAT, {"messages": USER, "model": "gpt-4", "stream": True}, ["gpt-4"]),
-        (COMPLETIONS, {"prompt": "x", "echo": True}, ["echo"]),
         (COMPLETIONS, {"prompt": "x", "suffix": "y"}, ["suffix"]),
         (COMPLETIONS, {"prompt": "x", "best_of": 3}, ["best_of"]),
         (COMPLETIONS, {"prompt": "x", "logprobs": 21}, ["logprobs"]),
-        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1.0}}, ["logit_bias"]),
+        (COMPLETIONS, {"prompt": "x", "response_format": {"type": "json_object"}}, ["json_object"]),
         (COMPLETIONS, {"prompt": ""}, ["prompt must not be empty"]),
         (COMPLETIONS, {"prompt": []}, ["prompt must not be empty"]),
         (COMPLETIONS, {"prompt": ["a", ""]}, ["prompt must not be empty"]),
@@ -86,12 +90,20 @@ def test_unsupported(client, tm, url: str, body: dict, words: list[str]) -> None
     assert not tm.requests
 
 
+@pytest.mark.parametrize("bias", [{"x": 1.0}, {"5": 101}, {"-1": 1}])
+def test_bad_logit_bias(client, bias: dict) -> None:
+    assert_400(client.post(COMPLETIONS, json={"prompt": "x", "logit_bias": bias}), "logit_bias")
+
+
 def test_supported_neighbours_of_refused_values(client) -> None:
     """What OpenAI accepts next to a refused feature is still accepted."""
     bodies = [
         (CHAT, {"messages": USER, "tool_choice": "none", "tools": []}),
         (CHAT, {"messages": USER, "response_format": {"type": "text"}, "logit_bias": {}}),
         (COMPLETIONS, {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "suffix": ""}),
+        # SGLang's extras at the values that leave them unused, as its clients send them.
+        (CHAT, {"messages": USER, "regex": None, "lora_path": None, "separate_reasoning": True}),
+        (COMPLETIONS, {"prompt": "x", "return_hidden_states": False, "json_schema": None}),
     ]
     for url, body in bodies:
         assert client.post(url, json=body).status_code == 200

@@ -1,0 +1,225 @@
+"""SGLang's own clients against the real server: the exact bodies that sglang.bench_serving
+(native backend), the SGLang frontend (``gen``, ``select``) and bench_one_batch_server send;
+/server_info and /model_info; the SGLang and OpenAI extras srt implements (n, logit_bias,
+echo, stop_regex, no_stop_trim, stream_interval, return_text_in_logprobs) and cached-token
+reports; every unimplemented field refused by name when set."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess, assert_pool_full, wait_idle
+from test_http_server import generate, stream_generate
+
+pytestmark = pytest.mark.usefixtures("print_server_log")
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_moe_path: str) -> str:
+    return qwen3_moe_path
+
+
+def test_bench_serving_native_request(http: httpx.Client) -> None:
+    events = stream_generate(
+        http,
+        text=PROMPT,
+        sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+        lora_path=None,
+        return_logprob=False,
+        return_routed_experts=False,
+        logprob_start_len=-1,
+    )
+    assert events[-1]["meta_info"]["completion_tokens"] == 6
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+FRONTEND_PARAMS = {  # what sgl.gen sends: SglSamplingParams.to_srt_kwargs() at its defaults
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "max_new_tokens": 5,
+    "min_new_tokens": 0,
+    "n": 1,
+    "stop": [],
+    "stop_token_ids": [],
+    "stop_regex": [],
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "ignore_eos": True,
+    "regex": None,
+    "json_schema": None,
+}
+
+
+def test_frontend_gen_and_select(http: httpx.Client) -> None:
+    info = http.get("/get_model_info").json()  # RuntimeEndpoint's first call
+    assert info["model_path"]
+    out = generate(http, text=PROMPT, sampling_params=FRONTEND_PARAMS)
+    assert out["meta_info"]["completion_tokens"] == 5
+    # select: cache the prefix, then score each choice with text in its logprobs.
+    prefix = generate(http, text=PROMPT, sampling_params={"max_new_tokens": 0})
+    start = max(prefix["meta_info"]["prompt_tokens"] - 2, 0)
+    outs = generate(
+        http,
+        text=[PROMPT + " Paris", PROMPT + " a city"],
+        sampling_params={"max_new_tokens": 0, "temperature": 0},
+        return_logprob=True,
+        return_text_in_logprobs=True,
+        logprob_start_len=start,
+    )
+    for out in outs:
+        entries = out["meta_info"]["input_token_logprobs"]
+        assert entries and all(isinstance(e[2], str) and e[0] is not None for e in entries)
+        assert out["meta_info"]["output_token_logprobs"] == []
+    assert "".join(e[2] for e in outs[0]["meta_info"]["input_token_logprobs"]).endswith(" Paris")
+
+
+def test_bench_one_batch_server_request(http: httpx.Client) -> None:
+    info = http.get("/server_info").json()
+    state = info["internal_states"][0]
+    assert info["tokenizer_path"] and info["version"]
+    assert state["effective_max_running_requests_per_dp"] > 0
+    assert state["memory_usage"]["token_capacity"] == state["max_total_num_tokens"]
+    params = {
+        "temperature": 0.0,
+        "max_new_tokens": 7,
+        "ignore_eos": True,
+        "json_schema": None,
+        "stream_interval": 3,
+    }
+    events = stream_generate(
+        http, input_ids=[[11, 12, 13], [14, 15]], sampling_params=params, return_logprob=False
+    )
+    for index in (0, 1):
+        counts = [e["meta_info"]["completion_tokens"] for e in events if e["index"] == index]
+        assert counts == [1, 4, 7]  # the first token at once, then every 3 tokens
+    model_info = http.get("/model_info").json()
+    assert model_info["served_model_name"] and model_info["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("lora_path", "adapter-1"),
+        ("lora_path", ["adapter-1"]),
+        ("return_routed_experts", True),
+        ("return_hidden_states", True),
+        ("image_data", "cat.png"),
+        ("priority", 1),
+        ("token_ids_logprob", [1, 2]),
+    ],
+)
+def test_unimplemented_fields_are_refused_by_name(
+    http: httpx.Client, field: str, value: object
+) -> None:
+    response = http.post("/generate", json={"text": PROMPT, field: value})
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"), ("custom_params", {"a": 1})],
+)
+def test_unimplemented_sampling_params_are_refused_by_name(
+    http: httpx.Client, name: str, value: object
+) -> None:
+    response = http.post("/generate", json={"text": PROMPT, "sampling_params": {name: value}})
+    assert response.status_code == 400 and name in response.json()["error"]["message"]
+
+
+def test_unknown_fields_stay_errors(http: httpx.Client) -> None:
+    response = http.post("/generate", json={"text": PROMPT, "no_such_field": 1})
+    assert response.status_code == 400 and "no_such_field" in response.text
+
+
+def test_n_samples_share_the_prompt(http: httpx.Client, client: openai.OpenAI, model: str) -> None:
+    prompt = PROMPT + " and the capital of Italy is"
+    params = {"temperature": 1.0, "max_new_tokens": 4, "n": 3, "sampling_seed": 5}
+    outs = generate(http, text=prompt, sampling_params=params)
+    assert len(outs) == 3
+    prompt_len = outs[0]["meta_info"]["prompt_tokens"]
+    # The prompt was prefilled once; every sample found it in the prefix cache.
+    assert all(o["meta_info"]["cached_tokens"] == prompt_len - 1 for o in outs)
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1  # seeds 5, 6, 7
+    again = generate(http, text=prompt, sampling_params=params)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    completion = client.completions.create(
+        model=model, prompt=[prompt, "1 2 3"], n=2, max_tokens=3, temperature=0
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert completion.choices[0].text == completion.choices[1].text  # greedy
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.prompt_tokens_details.cached_tokens > 0
+    assert_pool_full(wait_idle(server_url(http)))
+
+
+def server_url(http: httpx.Client) -> str:
+    return str(http.base_url).rstrip("/")
+
+
+def test_logit_bias_forces_a_token(http: httpx.Client, client: openai.OpenAI, model: str) -> None:
+    token = 300
+    params = {"temperature": 0, "max_new_tokens": 3, "logit_bias": {str(token): 100}}
+    out = generate(http, text=PROMPT, sampling_params=params)
+    assert out["output_ids"] == [token] * 3
+    completion = client.completions.create(
+        model=model, prompt=[5, 6, 7], max_tokens=2, temperature=0, logit_bias={token: 100}
+    )
+    # echo: the prompt's text comes first; with logprobs, its tokens too.
+    echoed = client.completions.create(
+        model=model, prompt=[5, 6, 7, token, token], max_tokens=0, echo=True, logprobs=1
+    )
+    assert echoed.choices[0].text.endswith(completion.choices[0].text)
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+    assert len(echoed.choices[0].logprobs.tokens) == 5
+
+
+def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
+    prompt = "A repeated prompt, long enough to be worth caching: " + "lorem ipsum " * 8
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def test_stop_regex_and_no_stop_trim(http: httpx.Client) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    full = generate(http, text=PROMPT, sampling_params=greedy)["text"]
+    stop = full[2:5]  # a piece of what greedy decoding writes
+    pattern = "".join(f"[{c}]" if c.isalnum() else f"\\{c}" if not c.isspace() else c for c in stop)
+    out = generate(http, text=PROMPT, sampling_params={**greedy, "stop_regex": pattern})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern, "regex": True}
+    assert out["text"] == full[: full.index(stop)]
+    kept = generate(
+        http, text=PROMPT, sampling_params={**greedy, "stop_regex": pattern, "no_stop_trim": True}
+    )
+    assert kept["text"] == full[: full.index(stop) + len(stop)]
+    kept = generate(
+        http, text=PROMPT, sampling_params={**greedy, "stop": stop, "no_stop_trim": True}
+    )
+    assert kept["text"] == full[: full.index(stop) + len(stop)]
+    bad = http.post("/generate", json={"text": PROMPT, "sampling_params": {"stop_regex": "("}})
+    assert bad.status_code == 400 and "stop_regex" in bad.text
