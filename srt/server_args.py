@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
+GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
 MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
 DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
@@ -269,6 +270,27 @@ class ServerArgs:
     served_model_name: str | None = field(
         default=None, metadata=_arg("server", "Model name on the OpenAI API; default: the path.")
     )
+    # Structured output
+    grammar_backend: str = field(
+        default="xgrammar",
+        metadata=_arg(
+            "structured output",
+            "Engine for regex / json_schema / ebnf constraints and response_format; none "
+            "refuses constrained requests.",
+            choices=GRAMMAR_BACKEND_CHOICES,
+        ),
+    )
+    constrained_json_disable_any_whitespace: bool = field(
+        default=False,
+        metadata=_arg("structured output", "JSON constraints: compact output, no free whitespace."),
+    )
+    constrained_json_max_whitespace_cnt: int | None = field(
+        default=None,
+        metadata=_arg(
+            "structured output",
+            "JSON constraints: at most this many whitespace characters in a row (default: any).",
+        ),
+    )
     log_level: str = field(
         default="info",
         metadata=_arg("logging", "Logging level.", choices=["debug", "info", "warning", "error"]),
@@ -306,6 +328,12 @@ class ServerArgs:
                 raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
 
         require(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+        max_whitespace = self.constrained_json_max_whitespace_cnt
+        require(
+            max_whitespace is None or max_whitespace > 0,
+            "constrained_json_max_whitespace_cnt",
+            "must be at least 1",
+        )
         require(
             self.max_total_tokens is None or self.max_total_tokens > 0,
             "max_total_tokens",
@@ -341,6 +369,7 @@ class ServerArgs:
             ("kv_cache_dtype", DTYPE_CHOICES),
             ("device", DEVICE_CHOICES[1:]),
             ("schedule_policy", SCHEDULE_POLICY_CHOICES),
+            ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
         ):
             require(getattr(self, name) in choices, name, f"must be one of {choices}")
 

@@ -69,6 +69,7 @@ class Req:
         self.created_time = time.perf_counter()
         seed = sampling_params.sampling_seed
         self.generator = None if seed is None else make_generator(seed, device)
+        self.grammar: Any = None  # a RequestGrammar when the request is constrained
         self._init_logprobs(return_logprob, logprob_start_len, top_logprobs_num)
 
     def _init_cache_state(self, device: str | torch.device) -> None:
@@ -336,4 +337,5 @@ class ScheduleBatch:
             [r.eos_token_ids for r in self.reqs],
             self.ctx.vocab_size,
             device,
+            [r.grammar for r in self.reqs],
         )

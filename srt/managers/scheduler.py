@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from srt.constrained.grammar import GrammarBackend, grammar_spec
 from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
@@ -108,6 +109,7 @@ class Scheduler:
         self.num_idle_forward_steps = 0
         # Decode tokens per second over the last GEN_THROUGHPUT_STEPS decode steps.
         self.last_gen_throughput = 0.0
+        self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
         self.gen_window: tuple[float, int, int] = (
             time.perf_counter(),
             0,
@@ -129,11 +131,33 @@ class Scheduler:
             device=self.model_runner.device,
         )
         error = check_request_length(req, self.model_config.context_len, self.max_total_num_tokens)
+        if error is None:
+            error = self._attach_grammar(req)
         if error is not None:
             req.finished_reason = finish_abort(error)
             self.finished_outside_batch.append(req)
             return
         self.waiting_queue.append(req)
+
+    def _attach_grammar(self, req: Req) -> str | None:
+        """Compile the request's constraint into its matcher; an error message if that fails."""
+        spec = grammar_spec(req.sampling_params)
+        if spec is None:
+            return None
+        try:
+            if self.grammar_backend is None:
+                args = self.server_args
+                self.grammar_backend = GrammarBackend(
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    self.model_config.eos_token_ids,
+                    any_whitespace=not args.constrained_json_disable_any_whitespace,
+                    max_whitespace_cnt=args.constrained_json_max_whitespace_cnt,
+                )
+            req.grammar = self.grammar_backend.matcher(spec)
+        except (RuntimeError, ValueError) as e:
+            return f"{spec.kind} could not be compiled: {e}"
+        return None
 
     def abort_request(self, recv: AbortReq) -> None:
         """Finish the request now, wherever it is; its computed KV goes to the cache."""

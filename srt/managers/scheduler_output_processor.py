@@ -9,7 +9,13 @@ import torch
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import get_token_logprobs, get_top_logprobs
 from srt.managers.io_struct import BatchTokenIDOutput
-from srt.managers.schedule_batch import Req, ScheduleBatch, finish_length
+from srt.managers.schedule_batch import (
+    Req,
+    ScheduleBatch,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
 
 
 class SchedulerOutputProcessor:
@@ -69,7 +75,18 @@ class SchedulerOutputProcessor:
                 req.output_token_logprobs.append((token_lps[i], ids[i]))
                 if req.top_logprobs_num > 0:
                     req.output_top_logprobs.append(list(zip(*tops[i])))
+            if req.grammar is not None:
+                self._advance_grammar(req, ids[i])
             req.check_finished(self.tokenizer)
+
+    @staticmethod
+    def _advance_grammar(req: Req, token_id: int) -> None:
+        """The sampled token moves the request's grammar on; a complete grammar (the token is
+        a stop token it allowed) finishes the request, whatever ignore_eos says."""
+        if not req.grammar.accept_token(token_id):
+            req.finished_reason = finish_abort(f"token {token_id} does not follow the grammar")
+        elif req.grammar.is_terminated():
+            req.finished_reason = finish_stop(token_id)
 
     def _add_input_logprobs(self, batch: ScheduleBatch, input_logits: torch.Tensor | None) -> None:
         offset = 0

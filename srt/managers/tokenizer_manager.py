@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from srt.constrained.grammar import check_grammar, grammar_spec
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
@@ -89,6 +90,11 @@ class TokenizerManager:
             )
         params = SamplingParams.from_dict(obj.sampling_params)
         params.verify(self.vocab_size)
+        spec = grammar_spec(params)
+        if spec is not None:
+            if self.server_args.grammar_backend == "none":
+                raise ValueError(f"{spec.kind}: structured output is off (--grammar-backend none)")
+            check_grammar(spec)
         if len(input_ids) + params.max_new_tokens > self.context_len:
             raise ValueError(
                 f"the request needs {len(input_ids) + params.max_new_tokens} tokens (prompt "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.constrained.grammar import RequestGrammar, apply_bitmask_, batch_bitmask
 from srt.sampling import penalties
 from srt.sampling.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class SamplingBatchInfo:
     repetition_scales: torch.Tensor | None = None  # [B, V] penalty on seen tokens, else 1
     min_tokens_block: torch.Tensor | None = None  # [2, K] (row, token) pairs set to -inf
     logit_bias: torch.Tensor | None = None  # [B, V] float32 added to the logits
+    vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 bitmask of allowed tokens
 
     @classmethod
     def from_params(
@@ -40,14 +42,18 @@ class SamplingBatchInfo:
         eos_token_ids: Sequence[set[int]],
         vocab_size: int,
         device: torch.device | str,
+        grammars: Sequence[RequestGrammar | None] | None = None,
     ) -> SamplingBatchInfo:
         """One row per request; the lists are parallel and hold the request's prompt ids,
-        the ids generated so far, its generator (from `sampling_seed`) and its eos ids."""
+        the ids generated so far, its generator (from `sampling_seed`), its eos ids and its
+        grammar (None: unconstrained)."""
         info = cls._sampling_fields(params, list(generators), vocab_size, device)
         info._init_frequency_presence(params, output_ids, device)
         info._init_repetition(params, output_ids, input_ids, device)
         info._init_min_tokens_block(params, output_ids, eos_token_ids, device)
         info._init_logit_bias(params, device)
+        if grammars is not None:
+            info.vocab_mask = batch_bitmask(list(grammars), vocab_size)
         return info
 
     @classmethod
@@ -141,12 +147,13 @@ class SamplingBatchInfo:
             or self.repetition_scales is not None
             or self.min_tokens_block is not None
             or self.logit_bias is not None
+            or self.vocab_mask is not None
         )
 
     def apply_penalties_(self, logits: torch.Tensor) -> None:
         """Apply every penalty to `logits` [B, V] in place. Order as vLLM: repetition scaling,
         then frequency and presence subtraction, then the logit bias, then the
-        min_new_tokens block."""
+        min_new_tokens block, then the grammars' masks."""
         if self.repetition_scales is not None:
             penalties.apply_repetition_(logits, self.repetition_scales)
         if self.output_counts is not None:
@@ -157,6 +164,8 @@ class SamplingBatchInfo:
             logits += self.logit_bias
         if self.min_tokens_block is not None:
             penalties.apply_block_(logits, self.min_tokens_block)
+        if self.vocab_mask is not None:
+            apply_bitmask_(logits, self.vocab_mask)
 
 
 def _top_k(top_k: int, vocab_size: int) -> int:

@@ -26,15 +26,13 @@ _BOOL_FIELDS = (
     "no_stop_trim",
 )
 _STR_LIST_FIELDS = ("stop", "stop_regex")
+_STR_FIELDS = ("json_schema", "regex", "ebnf")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias
 
 # SGLang's sampling parameters that srt does not implement, with the values that leave them
 # unused. A request may send them at those values (SGLang's clients send them as null); any
 # other value is refused, never ignored.
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
-    "json_schema": ("",),
-    "regex": ("",),
-    "ebnf": ("",),
     "structural_tag": ("",),
     "beam_width": (1,),
     "custom_params": ({},),
@@ -58,6 +56,8 @@ def _check_type(name: str, value: Any) -> None:
         ok, expected = _is_number(value), "a number"
     elif name in _BOOL_FIELDS:
         ok, expected = isinstance(value, bool), "a boolean"
+    elif name in _STR_FIELDS:
+        ok, expected = isinstance(value, str), "a string"
     elif name in _STR_LIST_FIELDS:
         is_list = isinstance(value, list) and all(isinstance(s, str) for s in value)
         ok, expected = isinstance(value, str) or is_list, "a string or a list of strings"
@@ -93,6 +93,10 @@ class SamplingParams:
     no_stop_trim: bool = False  # keep the matched stop string or token in the text
     stream_interval: int | None = None  # stream every this many tokens (None: every step)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
+    # Structured output, at most one of them (srt/constrained/grammar.py); "" means unset.
+    json_schema: str | None = None  # a JSON schema, or "$$ANY$$" for any JSON value
+    regex: str | None = None
+    ebnf: str | None = None
     # Set by normalize(): the longest stop string in tokens, so the scheduler decodes only
     # that many trailing tokens when looking for stop strings.
     stop_str_max_len: int = field(default=0, compare=False)
@@ -113,7 +117,7 @@ class SamplingParams:
                 continue
             if name not in names:
                 raise ValueError(f"unknown sampling parameter '{name}'")
-            if value is None:
+            if value is None or (name in _STR_FIELDS and value == ""):
                 continue
             _check_type(name, value)
             kwargs[name] = float(value) if name in _FLOAT_FIELDS else value

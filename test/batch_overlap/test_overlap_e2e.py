@@ -5,6 +5,7 @@ split."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from server_process import running_server  # noqa: E402
 
 TOLERANCE = 1e-5
+DIGITS = r"[0-9]{2,6}"
 ALWAYS = {"tbo_decode_token_threshold": 0, "tbo_prefill_token_threshold": 0}
 DP2 = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "moe_a2a_backend": "torch"}
 CASES = {
@@ -95,7 +97,22 @@ def test_http_server_with_tbo(tiny_models, unsplit):
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             timeout=60.0,
         )
+        # Constrained and unconstrained requests in the same split batches.
+        constrained = httpx.post(
+            server.url + "/generate",
+            json={
+                "input_ids": TWICE,
+                "sampling_params": [
+                    {"max_new_tokens": 12, "regex": DIGITS} if i % 2 else {"max_new_tokens": 3}
+                    for i in range(len(TWICE))
+                ],
+            },
+            timeout=60.0,
+        )
     assert_same_outputs(response.json(), unsplit["qwen3-normal"], TOLERANCE)
+    constrained.raise_for_status()
+    for out in constrained.json()[1::2]:
+        assert re.fullmatch(DIGITS, out["text"]), out["text"]
     assert sum(n for s in info["internal_states"] for n in s["num_tbo_steps"].values()) > 0
     assert chat.status_code == 200, chat.text
 

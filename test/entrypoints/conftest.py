@@ -1,9 +1,12 @@
-"""Fixtures of the end-to-end server tests: a real server per test module and its log."""
+"""Fixtures of the end-to-end server tests: a real server per test module, its log, and an
+httpx client and an openai client of it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
 from server_process import ServerProcess, running_server
 
@@ -21,3 +24,14 @@ def print_server_log(server: ServerProcess) -> Iterator[None]:
     start = server.log_size()
     yield
     print(server.log(start))
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60.0)

@@ -32,12 +32,6 @@ def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as client:
-        yield client
-
-
 def post(http: httpx.Client, route: str, body: dict | list | bytes) -> httpx.Response:
     if isinstance(body, bytes):
         return http.post(route, content=body, headers={"content-type": "application/json"})

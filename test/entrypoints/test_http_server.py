@@ -28,17 +28,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60.0)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(qwen3_moe_path: str):
     return AutoTokenizer.from_pretrained(qwen3_moe_path)
 

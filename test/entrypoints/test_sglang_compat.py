@@ -1,17 +1,19 @@
 """SGLang's own clients against the real server: the exact bodies that sglang.bench_serving
 (native backend), the SGLang frontend (``gen``, ``select``) and bench_one_batch_server send;
 /server_info and /model_info; the SGLang and OpenAI extras srt implements (n, logit_bias,
-echo, stop_regex, no_stop_trim, stream_interval, return_text_in_logprobs) and cached-token
-reports; every unimplemented field refused by name when set."""
+echo, stop_regex, no_stop_trim, stream_interval, return_text_in_logprobs, structured output)
+and cached-token reports; every unimplemented field refused by name when set."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, assert_pool_full, wait_idle
+from server_process import ServerProcess, assert_pool_full, running_server, wait_idle
 from test_http_server import generate, stream_generate
 
 pytestmark = pytest.mark.usefixtures("print_server_log")
@@ -20,14 +22,11 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60.0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60.0)
+def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
+    """JSON constraints with at most one whitespace character in a row: a random model
+    otherwise fills them with whitespace until max_new_tokens."""
+    with running_server(qwen3_moe_path, "--constrained-json-max-whitespace-cnt", "1") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +136,7 @@ def test_unimplemented_fields_are_refused_by_name(
 
 @pytest.mark.parametrize(
     "name, value",
-    [("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"), ("custom_params", {"a": 1})],
+    [("structural_tag", "{}"), ("beam_width", 4), ("custom_params", {"a": 1})],
 )
 def test_unimplemented_sampling_params_are_refused_by_name(
     http: httpx.Client, name: str, value: object
@@ -223,3 +222,81 @@ def test_stop_regex_and_no_stop_trim(http: httpx.Client) -> None:
     assert kept["text"] == full[: full.index(stop) + len(stop)]
     bad = http.post("/generate", json={"text": PROMPT, "sampling_params": {"stop_regex": "("}})
     assert bad.status_code == 400 and "stop_regex" in bad.text
+
+
+REGEX = r"(yes|no), [0-9]{1,3}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "rank": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["city", "rank"],
+}
+
+
+def _check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"city", "rank"} and value["rank"] in range(1000), text
+    assert isinstance(value["city"], str) and len(value["city"]) <= 8, text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_outputs_follow_their_grammar(http: httpx.Client, temperature: float) -> None:
+    """Several prompts, each kind of constraint, batched with unconstrained requests."""
+    base = {"temperature": temperature, "max_new_tokens": 48, "sampling_seed": 3}
+    prompts = ["Is it raining? ", "Where do you live? ", "List digits: ", "Tell me a story"]
+    params = [
+        {**base, "regex": REGEX},
+        {**base, "json_schema": json.dumps(SCHEMA)},
+        {**base, "ebnf": 'root ::= "[" [0-9] ("," [0-9])* "]"'},
+        {**base, "max_new_tokens": 8, "ignore_eos": True},
+    ]
+    outs = generate(http, text=prompts, sampling_params=params)
+    assert re.fullmatch(REGEX, outs[0]["text"]), outs[0]["text"]
+    _check_schema(outs[1]["text"])
+    assert re.fullmatch(r"\[[0-9](,[0-9])*\]", outs[2]["text"]), outs[2]["text"]
+    for out in outs[:3]:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert outs[3]["meta_info"]["completion_tokens"] == 8
+    again = generate(http, text=prompts[0], sampling_params=params[0])
+    assert again["text"] == outs[0]["text"]  # greedy, or the same seed
+
+
+def test_response_format_on_openai_routes(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Where is the tower?"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    for temperature in (0.0, 1.0):
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=48, temperature=temperature, seed=1,
+            response_format=schema_format, n=2,
+        )  # fmt: skip
+        for choice in chat.choices:
+            _check_schema(choice.message.content)
+    completion = client.completions.create(
+        model=model, prompt="Answer: ", max_tokens=16, extra_body={"regex": REGEX}
+    )
+    assert re.fullmatch(REGEX, completion.choices[0].text)
+    obj = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a JSON object's beginning
+        assert obj.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"regex": "(a"}, ["regex is not valid"]),
+        ({"json_schema": "{not json"}, ["json_schema is not valid"]),
+        ({"ebnf": "root ::="}, ["ebnf is not valid"]),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, ["only one of"]),
+    ],
+)
+def test_bad_constraints_are_400(http: httpx.Client, params: dict, words: list[str]) -> None:
+    response = http.post("/generate", json={"text": PROMPT, "sampling_params": params})
+    assert response.status_code == 400
+    assert all(w in response.json()["error"]["message"] for w in words), response.text

@@ -8,6 +8,7 @@ refused by ``check_supported``, naming them, when set to anything else.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar, Literal
 
@@ -21,7 +22,7 @@ MAX_TOP_LOGPROBS = 20
 _UNSUPPORTED_EXTRAS: dict[str, tuple] = {
     **dict.fromkeys(
         """
-        json_schema regex ebnf lora_path session_id session_params custom_params
+        lora_path session_id session_params custom_params
         custom_logit_processor watermark images_config mm_processor_kwargs data_parallel_rank
         rid extra_key cache_salt priority custom_labels sampling_logprobs_mode reasoning_effort
         thinking task max_dynamic_patch min_dynamic_patch video_config input_ids
@@ -53,8 +54,28 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> dict[str, str]:
+        """The sampling parameter that constrains the output to this format."""
+        if self.type == "text":
+            return {}
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        raise ValueError(f"response_format of type '{self.type}' is not supported")
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -87,6 +108,10 @@ class SamplingRequest(OpenAIBaseModel):
     stop_regex: str | list[str] | None = None
     no_stop_trim: bool | None = None
     response_format: ResponseFormat | None = None
+    # SGLang's constraints (structured output), besides response_format.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -104,10 +129,8 @@ class SamplingRequest(OpenAIBaseModel):
         )
         if refused:
             raise ValueError(f"not supported by this server: {', '.join(refused)}")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(
-                f"response_format of type '{self.response_format.type}' is not supported"
-            )
+        if self.response_format is not None:
+            self.response_format.grammar()  # raises for a type or schema it cannot follow
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang's sampling_params dict; unset fields are left to the runtime's defaults."""
@@ -130,7 +153,15 @@ class SamplingRequest(OpenAIBaseModel):
             "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias,
             "n": self.n if self.n > 1 else None,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
+        if self.response_format is not None:
+            for name, value in self.response_format.grammar().items():
+                if params[name] is not None:
+                    raise ValueError(f"response_format and {name} cannot both be given")
+                params[name] = value
         return {name: value for name, value in params.items() if value is not None}
 
 

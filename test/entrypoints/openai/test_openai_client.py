@@ -99,8 +99,8 @@ def test_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="gpt-4", messages=USER)
     assert info.value.status_code == 400 and "gpt-4" in info.value.message
-    with pytest.raises(openai.BadRequestError, match="regex"):
-        client.completions.create(model=MODEL, prompt="Hi", extra_body={"regex": "a+"})
+    with pytest.raises(openai.BadRequestError, match="lora_path"):
+        client.completions.create(model=MODEL, prompt="Hi", extra_body={"lora_path": "a"})
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=USER, temperature=-1, stream=True)
 
