@@ -20,6 +20,7 @@ DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
 GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
+TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
 MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
 DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
@@ -270,6 +271,15 @@ class ServerArgs:
     served_model_name: str | None = field(
         default=None, metadata=_arg("server", "Model name on the OpenAI API; default: the path.")
     )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=_arg(
+            "server",
+            "Parse tool calls out of chat replies in this model family's format; chat requests "
+            "with tools are refused without it.",
+            choices=TOOL_CALL_PARSER_CHOICES,
+        ),
+    )
     # Structured output
     grammar_backend: str = field(
         default="xgrammar",
@@ -328,6 +338,11 @@ class ServerArgs:
                 raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
 
         require(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+        require(
+            self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
+            "tool_call_parser",
+            f"must be one of {TOOL_CALL_PARSER_CHOICES}",
+        )
         max_whitespace = self.constrained_json_max_whitespace_cnt
         require(
             max_whitespace is None or max_whitespace > 0,

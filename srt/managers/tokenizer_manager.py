@@ -41,6 +41,7 @@ class TokenizerManager:
         self.server_args = server_args
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.tool_call_parser = server_args.tool_call_parser
         self.tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path)
         self.hf_config = AutoConfig.from_pretrained(server_args.model_path)
         self.context_len = scheduler_info["context_len"]

@@ -23,9 +23,10 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    """JSON constraints with at most one whitespace character in a row: a random model
-    otherwise fills them with whitespace until max_new_tokens."""
-    with running_server(qwen3_moe_path, "--constrained-json-max-whitespace-cnt", "1") as srv:
+    """JSON constraints with at most one whitespace character in a row (a random model
+    otherwise fills them with whitespace until max_new_tokens); Qwen tool calls parsed."""
+    args = ("--constrained-json-max-whitespace-cnt", "1", "--tool-call-parser", "qwen25")
+    with running_server(qwen3_moe_path, *args) as srv:
         yield srv
 
 
@@ -199,9 +200,21 @@ def test_logit_bias_forces_a_token(http: httpx.Client, client: openai.OpenAI, mo
 def test_repeated_prompt_reports_cached_tokens(client: openai.OpenAI, model: str) -> None:
     prompt = "A repeated prompt, long enough to be worth caching: " + "lorem ipsum " * 8
     first = client.completions.create(model=model, prompt=prompt, max_tokens=1)
-    second = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    second = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, extra_body={"return_cached_tokens_details": True}
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    # SGLang's cache report (sglang.bench_serving --cache-report asks for it).
+    details = second.to_dict()["sglext"]["cached_tokens_details"]
+    assert details == {"device": first.usage.prompt_tokens - 1, "host": 0}
+    assert "sglext" not in first.to_dict()
+    chunks = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1, stream=True,
+        extra_body={"return_cached_tokens_details": True},
+    )  # fmt: skip
+    extensions = [c.to_dict()["sglext"] for c in chunks if "sglext" in c.to_dict()]
+    assert len(extensions) == 1 and "device" in extensions[0]["cached_tokens_details"]
 
 
 def test_stop_regex_and_no_stop_trim(http: httpx.Client) -> None:
@@ -300,3 +313,66 @@ def test_bad_constraints_are_400(http: httpx.Client, params: dict, words: list[s
     response = http.post("/generate", json={"text": PROMPT, "sampling_params": params})
     assert response.status_code == 400
     assert all(w in response.json()["error"]["message"] for w in words), response.text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls(client: openai.OpenAI, model: str, stream: bool) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice, names in (("required", {"get_weather", "now"}), (WEATHER, {"get_weather"})):
+        if isinstance(choice, dict):
+            choice = {"type": "function", "function": {"name": "get_weather"}}
+        kwargs = dict(
+            model=model, messages=messages, tools=[WEATHER, NOW], tool_choice=choice,
+            max_tokens=150, temperature=0,
+        )  # fmt: skip
+        if stream:
+            chunks = list(client.chat.completions.create(**kwargs, stream=True))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            calls = [call for d in deltas for call in d.tool_calls or ()]
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            out = client.chat.completions.create(**kwargs).choices[0]
+            calls, reason = out.message.tool_calls, out.finish_reason
+        assert reason == "tool_calls" and len(calls) == 1, calls
+        call = calls[0]
+        assert call.function.name in names and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 10
+    # The call and its result go back into the conversation.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    follow_up = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER, NOW], max_tokens=4, temperature=0
+    )
+    assert follow_up.choices[0].message.content is not None
+
+
+def test_tools_need_a_parser_or_none(http: httpx.Client, model: str) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "tools": [NOW]}
+    auto = http.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+    assert auto.status_code == 200, auto.text
+    assert auto.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    off = http.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 3})
+    assert off.status_code == 200 and "tool_calls" not in off.json()["choices"][0]["message"]

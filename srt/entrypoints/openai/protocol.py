@@ -31,7 +31,7 @@ _UNSUPPORTED_EXTRAS: dict[str, tuple] = {
     ),
     **dict.fromkeys(
         """
-        return_hidden_states return_routed_experts return_cached_tokens_details
+        return_hidden_states return_routed_experts
         return_spec_tokens_details return_token_ids return_prompt_token_ids return_meta_info
         return_input_ids_in_sglext return_output_ids_in_sglext return_sampling_mask
         return_flat_raw_output_top_logprobs return_flat_raw_top_logprobs_b64
@@ -108,6 +108,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop_regex: str | list[str] | None = None
     no_stop_trim: bool | None = None
     response_format: ResponseFormat | None = None
+    return_cached_tokens_details: bool = False  # SGLang: sglext.cached_tokens_details
     # SGLang's constraints (structured output), besides response_format.
     json_schema: str | None = None
     regex: str | None = None
@@ -188,10 +189,48 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDef(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -199,18 +238,25 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.functions or self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tools and function calling are not supported")
-        if self.function_call not in (None, "none", "auto"):
-            raise ValueError("tools and function calling are not supported")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise ValueError("functions and function_call are not supported; use tools")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = [tool.function.name for tool in self.tools or ()]
+        if (
+            isinstance(self.tool_choice, NamedToolChoice)
+            and self.tool_choice.function.name not in names
+        ):
+            raise ValueError(f"tool_choice: no tool named '{self.tool_choice.function.name}'")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
@@ -236,15 +282,31 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CachedTokensDetails(OpenAIBaseModel):
+    """SGLang's split of cached prompt tokens by cache tier: srt has one, the KV cache in the
+    model's memory ("device")."""
+
+    device: int = 0
+    host: int = 0
+
+
+class SglExt(OpenAIBaseModel):
+    """SGLang's extension object on responses (``return_cached_tokens_details``)."""
+
+    cached_tokens_details: CachedTokensDetails | None = None
+
+
 class _OptionalUsage(OpenAIBaseModel):
     """Stream chunks carry ``usage`` only in the final usage chunk; the key is left out
-    elsewhere. Subclasses declare ``usage`` last, where OpenAI puts it."""
+    elsewhere, and so is SGLang's ``sglext`` unless asked for. Subclasses declare ``usage``
+    last, where OpenAI puts it."""
 
     @model_serializer(mode="wrap")
     def _drop_empty_usage(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("usage") is None:
-            data.pop("usage", None)
+        for key in ("usage", "sglext"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -270,6 +332,7 @@ class CompletionResponse(_OptionalUsage):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
+    sglext: SglExt | None = None
     usage: UsageInfo | None = None
 
 
@@ -290,27 +353,37 @@ class ChatLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(_OptionalUsage):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionChoice]
+    sglext: SglExt | None = None
     usage: UsageInfo
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
@@ -321,7 +394,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionStreamResponse(_OptionalUsage):
@@ -330,6 +403,7 @@ class ChatCompletionStreamResponse(_OptionalUsage):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionStreamChoice]
+    sglext: SglExt | None = None
     usage: UsageInfo | None = None
 
 

@@ -17,7 +17,7 @@ def add_openai_routes(app: FastAPI, tm: Any) -> None:
 
     ``tm`` needs ``generate_request(obj, request)`` (an async generator of SGLang-shaped
     outputs that raises ValueError for bad input), ``tokenizer``, ``served_model_name``,
-    ``model_path`` and ``context_len``.
+    ``model_path``, ``context_len``, ``tool_call_parser`` and ``expand_parallel_samples``.
     """
     completions = OpenAIServingCompletion(tm)
     chat = OpenAIServingChat(tm)

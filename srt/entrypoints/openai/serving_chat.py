@@ -6,9 +6,11 @@ template already holds them (a BOS added again by ``encode`` would be a second o
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from srt.constrained.grammar import KINDS
 from srt.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -21,12 +23,24 @@ from srt.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
+    ToolCallDelta,
 )
 from srt.entrypoints.openai.serving_base import OpenAIServingBase, RequestContext
+from srt.entrypoints.openai.tool_calls import (
+    ToolCallOut,
+    ToolCallStream,
+    active_tools,
+    forced_tools,
+    parse_tool_calls,
+    tool_call_ebnf,
+)
 from srt.entrypoints.openai.utils import (
     ChoiceStream,
     OpenAIError,
     finish_reason,
+    sglext_of,
     token_text,
     top_rows,
     usage_of,
@@ -39,11 +53,13 @@ SUPPORTED_ROLES = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: a role and a plain-text content."""
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: a role, a plain-text content, and an
+    assistant's tool calls or a tool's call id."""
     if not messages:
         raise ValueError("messages must not be empty")
     out = []
@@ -59,17 +75,37 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
                         f"messages[{i}].content: only text parts are supported, got '{part.type}'"
                     )
             content = "".join(part.text for part in content)
-        out.append({"role": role, "content": content or ""})
+        entry = {"role": role, "content": content or ""}
+        if message.tool_calls:  # templates take the arguments as a dict
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
     return out
 
 
+def _template_call(call: Any) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool call {call.id}: arguments are not JSON") from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
 def chat_prompt_ids(
-    tokenizer: Any, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     conversation = message_dicts(messages)
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = [{"type": "function", "function": tool} for tool in tools]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            conversation, tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception as e:  # no template, or the template refuses the conversation (jinja)
         raise OpenAIError(f"cannot apply the chat template: {e}") from None
@@ -99,11 +135,24 @@ class OpenAIServingChat(OpenAIServingBase):
     def build_inputs(
         self, req: ChatCompletionRequest, ctx: RequestContext
     ) -> list[GenerateReqInput]:
-        input_ids = chat_prompt_ids(self.tm.tokenizer, req.messages, req.chat_template_kwargs)
+        tools = active_tools(req.tools, req.tool_choice)
+        if tools and self.tm.tool_call_parser is None:
+            raise ValueError(
+                "tools need a tool-call parser: start the server with --tool-call-parser"
+            )
+        input_ids = chat_prompt_ids(
+            self.tm.tokenizer, req.messages, req.chat_template_kwargs, tools
+        )
+        params = req.sampling_params(self._max_new_tokens(req, len(input_ids)))
+        forced = forced_tools(tools, req.tool_choice)
+        if forced:
+            if any(params.get(kind) for kind in KINDS):
+                raise ValueError("a forced tool_choice cannot be combined with another grammar")
+            params["ebnf"] = tool_call_ebnf(forced)
         return [
             GenerateReqInput(
                 input_ids=input_ids,
-                sampling_params=req.sampling_params(self._max_new_tokens(req, len(input_ids))),
+                sampling_params=params,
                 rid=ctx.rid(0, 1),
                 return_logprob=req.logprobs,
                 top_logprobs_num=req.top_logprobs or 0,
@@ -128,16 +177,23 @@ class OpenAIServingChat(OpenAIServingBase):
     def build_response(
         self, req: ChatCompletionRequest, ctx: RequestContext, outs: list[dict]
     ) -> ChatCompletionResponse:
+        names = {tool["name"] for tool in active_tools(req.tools, req.tool_choice)}
         choices = []
         for index, out in enumerate(outs):
             meta = out["meta_info"]
             num_tokens = len(meta.get("output_token_logprobs") or [])
+            reason = finish_reason(meta)
+            content, calls = parse_tool_calls(out["text"], names) if names else (out["text"], [])
+            if req.parallel_tool_calls is False:
+                calls = calls[:1]
             choices.append(
                 ChatCompletionChoice(
                     index=index,
-                    message=ChatResponseMessage(content=out["text"]),
+                    message=ChatResponseMessage(
+                        content=content, tool_calls=[_tool_call(c) for c in calls] or None
+                    ),
                     logprobs=self._logprobs(req, meta, 0, num_tokens),
-                    finish_reason=finish_reason(meta),
+                    finish_reason="tool_calls" if calls else reason,
                 )
             )
         return ChatCompletionResponse(
@@ -145,6 +201,7 @@ class OpenAIServingChat(OpenAIServingBase):
             created=ctx.created,
             model=ctx.model,
             choices=choices,
+            sglext=sglext_of(req, [out["meta_info"] for out in outs], req.n),
             usage=usage_of([out["meta_info"] for out in outs], req.n),
         )
 
@@ -156,8 +213,11 @@ class OpenAIServingChat(OpenAIServingBase):
         outs: AsyncIterator[tuple[int, dict]],
     ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
         states = [ChoiceStream() for _ in range(num_choices)]
+        names = {tool["name"] for tool in active_tools(req.tools, req.tool_choice)}
+        calls = [ToolCallStream(names) for _ in range(num_choices)] if names else None
         for index in range(num_choices):
             yield self._chunk(ctx, index, DeltaMessage(role="assistant", content=""))
+        unfinished = num_choices
         async for index, out in outs:
             state, meta = states[index], out["meta_info"]
             state.meta_info = meta
@@ -165,10 +225,22 @@ class OpenAIServingChat(OpenAIServingBase):
             text = state.text_delta(out["text"])
             start, stop = state.new_logprob_range(meta)
             logprobs = self._logprobs(req, meta, start, stop) if start < stop else None
-            if text or logprobs is not None:
-                yield self._chunk(ctx, index, DeltaMessage(content=text), logprobs)
+            if calls is None:
+                if text or logprobs is not None:
+                    yield self._chunk(ctx, index, DeltaMessage(content=text), logprobs)
+            else:
+                one = req.parallel_tool_calls is False
+                for delta in _tool_stream_deltas(calls[index], text, reason is not None, one):
+                    yield self._chunk(ctx, index, delta, logprobs)
+                    logprobs = None
+                if reason is not None and calls[index].num_calls:
+                    reason = "tool_calls"
             if reason is not None:
-                yield self._chunk(ctx, index, DeltaMessage(), reason=reason)
+                unfinished -= 1
+                chunk = self._chunk(ctx, index, DeltaMessage(), reason=reason)
+                if not unfinished:  # SGLang's cache report rides on the last finish chunk
+                    chunk.sglext = sglext_of(req, [s.meta_info for s in states], req.n)
+                yield chunk
         if req.include_usage:
             usage = usage_of([state.meta_info for state in states], req.n)
             yield ChatCompletionStreamResponse(
@@ -196,3 +268,28 @@ class OpenAIServingChat(OpenAIServingBase):
         return ChatCompletionStreamResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]
         )
+
+
+def _tool_call(call: ToolCallOut, index: int | None = None) -> ToolCall:
+    function = FunctionCall(name=call.name, arguments=call.arguments)
+    if index is None:
+        return ToolCall(id=call.id, function=function)
+    return ToolCallDelta(id=call.id, function=function, index=index)
+
+
+def _tool_stream_deltas(
+    stream: ToolCallStream, text: str, finished: bool, only_one: bool
+) -> list[DeltaMessage]:
+    """The deltas of one streamed choice's new text: its plain text, then each call it
+    completed (indexed from 0 in the choice; with ``only_one``, the first call only)."""
+    plain, calls = stream.feed(text)
+    if finished:
+        plain += stream.finish()
+    deltas = [DeltaMessage(content=plain)] if plain else []
+    first = stream.num_calls - len(calls)
+    if only_one:
+        calls = calls[: max(1 - first, 0)]
+    deltas += [
+        DeltaMessage(tool_calls=[_tool_call(call, first + i)]) for i, call in enumerate(calls)
+    ]
+    return deltas

@@ -16,6 +16,7 @@ from srt.entrypoints.openai.serving_base import OpenAIServingBase, RequestContex
 from srt.entrypoints.openai.utils import (
     ChoiceStream,
     finish_reason,
+    sglext_of,
     token_text,
     top_rows,
     usage_of,
@@ -109,7 +110,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
                     finish_reason=finish_reason(meta),
                 )
             )
-        return self._response(ctx, choices, usage_of([o["meta_info"] for o in outs], req.n))
+        metas = [out["meta_info"] for out in outs]
+        response = self._response(ctx, choices, usage_of(metas, req.n))
+        response.sglext = sglext_of(req, metas, req.n)
+        return response
 
     async def stream_chunks(
         self,
@@ -120,6 +124,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
     ) -> AsyncGenerator[CompletionResponse, None]:
         states = [ChoiceStream() for _ in range(num_choices)]
         echo_pending = [req.echo] * num_choices  # the prompt goes out with the first chunk
+        unfinished = num_choices
         async for index, out in outs:
             state, meta = states[index], out["meta_info"]
             state.meta_info = meta
@@ -132,9 +137,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
                     ctx, [CompletionChoice(index=index, text=text, logprobs=logprobs)]
                 )
             if reason is not None:
-                yield self._response(
+                unfinished -= 1
+                chunk = self._response(
                     ctx, [CompletionChoice(index=index, text="", finish_reason=reason)]
                 )
+                if not unfinished:  # SGLang's cache report rides on the last finish chunk
+                    chunk.sglext = sglext_of(req, [s.meta_info for s in states], req.n)
+                yield chunk
         if req.include_usage:
             yield self._response(ctx, [], usage_of([s.meta_info for s in states], req.n))
 

@@ -11,7 +11,13 @@ import orjson
 from fastapi import Request, Response
 from pydantic import BaseModel, ValidationError
 
-from srt.entrypoints.openai.protocol import ErrorResponse, PromptTokensDetails, UsageInfo
+from srt.entrypoints.openai.protocol import (
+    CachedTokensDetails,
+    ErrorResponse,
+    PromptTokensDetails,
+    SglExt,
+    UsageInfo,
+)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_LISTED_ERRORS = 3
@@ -122,6 +128,14 @@ def usage_of(metas: list[dict], n: int = 1) -> UsageInfo:
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def sglext_of(req: Any, metas: list[dict], n: int = 1) -> SglExt | None:
+    """SGLang's response extension, when the request asked for cached-token details."""
+    if not getattr(req, "return_cached_tokens_details", False):
+        return None
+    cached = sum(meta.get("cached_tokens", 0) for meta in metas[::n])
+    return SglExt(cached_tokens_details=CachedTokensDetails(device=cached))
 
 
 def token_text(tokenizer: Any, entry: Any) -> str:

@@ -38,7 +38,11 @@ class FakeTokenizer:
     FIRST_ID decode to the CANNED words."""
 
     def apply_chat_template(
-        self, conversation: list[dict], tokenize: bool = True, add_generation_prompt: bool = False
+        self,
+        conversation: list[dict],
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **kwargs: Any,
     ) -> str:
         assert tokenize is False
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in conversation)
@@ -58,6 +62,7 @@ class FakeTokenizerManager:
         self.served_model_name = MODEL
         self.model_path = MODEL_PATH
         self.context_len = context_len
+        self.tool_call_parser = "qwen25"
         self.requests: list[GenerateReqInput] = []
         self.aborted: list[str] = []
 

@@ -9,6 +9,11 @@ from openai_fakes import MODEL, make_client
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "Hi"}]
+TOOLS = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
 
 
 def assert_400(response, *words: str) -> None:
@@ -82,7 +87,8 @@ def test_wrong_types(client, tm, url: str, body: dict, words: list[str]) -> None
         (CHAT, {"messages": USER, "top_logprobs": 2}, ["top_logprobs requires logprobs"]),
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 99}, ["top_logprobs"]),
         (CHAT, {"messages": []}, ["messages must not be empty"]),
-        (CHAT, {"messages": [{"role": "tool", "content": "1"}]}, ["messages[0].role", "tool"]),
+        (CHAT, {"messages": [{"role": "function", "content": "1"}]}, ["messages[0].role"]),
+        (CHAT, {"messages": USER, "tools": TOOLS, "tool_choice": named("other")}, ["other"]),
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -157,3 +163,8 @@ def test_several_prompts_one_refused_aborts_the_others(client, tm, stream: bool)
     assert_400(client.post(COMPLETIONS, json=body), "prompt has 101 tokens")
     assert len(tm.requests) == 3
     assert sorted(tm.aborted) == sorted(r.rid for r in tm.requests[:2])
+
+
+def test_forced_tool_choice_and_another_grammar(client) -> None:
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": "required", "regex": "a"}
+    assert_400(client.post(CHAT, json=body), "tool_choice", "grammar")
