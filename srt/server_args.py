@@ -271,6 +271,14 @@ class ServerArgs:
     served_model_name: str | None = field(
         default=None, metadata=_arg("server", "Model name on the OpenAI API; default: the path.")
     )
+    skip_server_warmup: bool = field(
+        default=False,
+        metadata=_arg(
+            "server",
+            "Open the port without the warm-up generation (by default a short greedy request "
+            "per attention-DP group runs first, so the first user does not pay first-use costs).",
+        ),
+    )
     tool_call_parser: str | None = field(
         default=None,
         metadata=_arg(

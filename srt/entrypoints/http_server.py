@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -157,7 +158,14 @@ def add_native_routes(
 def create_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict) -> FastAPI:
     from srt.entrypoints.openai.serving import add_openai_routes
 
-    app = FastAPI(title="srt")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # uvicorn opens the port only after this: clients waiting for /health see a warm server.
+        if not server_args.skip_server_warmup:
+            logger.info("warm-up done in %.2f s", await tm.warm_up())
+        yield
+
+    app = FastAPI(title="srt", lifespan=lifespan)
     if server_args.api_key:
         expected = f"Bearer {server_args.api_key}"
 

@@ -32,6 +32,8 @@ from srt.utils.ipc import AsyncReceiver, PortArgs, Sender
 
 logger = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 1.0
+WARMUP_TEXT = "The capital city of France is"
+WARMUP_NEW_TOKENS = 8
 
 
 class TokenizerManager:
@@ -283,6 +285,23 @@ class TokenizerManager:
         """One state per attention-DP group, ordered by dp_rank."""
         replies = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
         return sorted((r.state for r in replies), key=lambda s: s.get("dp_rank", 0))
+
+    async def warm_up(self) -> float:
+        """One short greedy generation per attention-DP group (a batch, so the DP controller
+        spreads it), then a cache flush: the next request pays no first-use cost (kernel
+        loading, allocator growth) and finds an empty prefix cache; /metrics is untouched.
+        Returns the seconds it took."""
+        start = time.perf_counter()
+        obj = GenerateReqInput(
+            text=[WARMUP_TEXT] * self.num_reply_groups,
+            sampling_params={"temperature": 0, "max_new_tokens": WARMUP_NEW_TOKENS},
+            log_metrics=False,
+        )
+        async for _ in self.generate_request(obj):
+            pass
+        if not await self.flush_cache():
+            raise RuntimeError("the prefix cache could not be flushed after the warm-up")
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------ results
     def _ensure_handle_loop(self) -> None:

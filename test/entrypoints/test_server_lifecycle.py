@@ -1,4 +1,5 @@
-"""Separate real server instances: --api-key, the death of the scheduler, and SIGTERM."""
+"""Separate real server instances: the warm-up, --api-key, the death of the scheduler, and
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, is_running, running_server, wait_gone
+from server_process import (
+    ServerProcess,
+    assert_pool_full,
+    internal_state,
+    is_running,
+    running_server,
+    wait_gone,
+)
+
+from srt.managers.tokenizer_manager import WARMUP_TEXT
 
 GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
 PROTECTED = [
@@ -28,8 +38,30 @@ PROTECTED = [
 ]
 
 
+def test_warm_up_leaves_no_trace(qwen3_moe_path: str) -> None:
+    """The warm-up generation runs before /health answers; afterwards the pool is full, the
+    prefix cache empty and the request metrics zero, so the first user starts from scratch."""
+    with running_server(qwen3_moe_path) as server:
+        state = internal_state(server.url)
+        assert "warm-up done" in server.log()
+        assert state["num_forward_steps"] > 0, state
+        assert_pool_full(state)
+        assert state["num_evictable_tokens"] == 0, state
+        metrics = httpx.get(server.url + "/metrics").text.splitlines()
+        for name in ("srt:prompt_tokens_total", "srt:generation_tokens_total"):
+            assert f"{name} 0.0" in metrics, name
+        body = {"text": WARMUP_TEXT, "sampling_params": {"max_new_tokens": 2}}
+        response = httpx.post(server.url + "/generate", json=body, timeout=60.0)
+        assert response.json()["meta_info"]["cached_tokens"] == 0  # flushed after the warm-up
+
+
 def test_api_key(qwen3_moe_path: str) -> None:
-    with running_server(qwen3_moe_path, "--api-key", "secret") as server:
+    args = ("--api-key", "secret", "--skip-server-warmup")
+    with running_server(qwen3_moe_path, *args) as server:
+        good = {"Authorization": "Bearer secret"}
+        state = httpx.get(server.url + "/get_server_info", headers=good).json()
+        assert state["internal_states"][0]["num_forward_steps"] == 0  # no warm-up ran
+        assert "warm-up" not in server.log()
         with httpx.Client(base_url=server.url, timeout=60.0) as http:
             for auth in (None, "Bearer wrong", "secret", "Bearer secret2", "Basic secret"):
                 headers = {} if auth is None else {"Authorization": auth}
@@ -39,7 +71,6 @@ def test_api_key(qwen3_moe_path: str) -> None:
                     assert "API key" in response.json()["error"]["message"]
             assert http.get("/health").status_code == 200
 
-            good = {"Authorization": "Bearer secret"}
             response = http.post("/generate", json=GENERATE, headers=good)
             assert response.status_code == 200, response.text
             assert response.json()["meta_info"]["completion_tokens"] == 2
