@@ -132,8 +132,17 @@ class DeepseekV2MLA(nn.Module):
         state.put(attn_output=self.o_proj(out))
 
 
+# What a config that omits ``topk_method`` means, per model type: transformers' DeepseekV3
+# always routes with sigmoid scores, a correction bias and grouped top-k (its config class has
+# no such field, so checkpoints it saves carry none); DeepSeek-V2's reference code defaults to
+# greedy softmax.
+DEFAULT_TOPK_METHOD = {"deepseek_v3": "noaux_tc"}
+
+
 def _topk_config(config) -> TopKConfig:
-    method = getattr(config, "topk_method", "greedy")
+    method = getattr(config, "topk_method", None) or DEFAULT_TOPK_METHOD.get(
+        config.model_type, "greedy"
+    )
     default_scoring = "sigmoid" if method == "noaux_tc" else "softmax"
     grouped = method in ("noaux_tc", "group_limited_greedy")
     return TopKConfig(
