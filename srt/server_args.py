@@ -167,7 +167,8 @@ class ServerArgs:
         metadata=_arg(
             "parallel",
             "MoE token all-to-all: none (gather hidden states, TP/EP-sharded experts), torch "
-            "(torch.distributed all-to-all), deepep (DeepEP kernels, CUDA).",
+            "(torch.distributed all-to-all, in DeepEP's modes: --deepep-mode); deepep is refused: "
+            "srt has no DeepEP dispatcher yet.",
             choices=MOE_A2A_BACKEND_CHOICES,
         ),
     )
@@ -330,15 +331,26 @@ class ServerArgs:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.1
-        if self.chunked_prefill_size is None:
-            self.chunked_prefill_size = 8192 if self.device == "cuda" else 2048
-        if self.max_running_requests is None:
-            self.max_running_requests = 2048 if self.device == "cuda" else 256
+        self._resolve_batch_limits()
         self._check_ranges()
         check_parallel(self)
         check_overlap(self)
         if self.device == "cuda":
             check_gpus_per_node(self)
+
+    def _resolve_batch_limits(self) -> None:
+        """Defaults of --chunked-prefill-size and --max-running-requests. Under --deepep-mode
+        low_latency every batch must fit the fixed-capacity buffers, so they default to what
+        fits --max-dispatch-tokens-per-rank (explicit values that do not fit are refused)."""
+        chunk, running = (8192, 2048) if self.device == "cuda" else (2048, 256)
+        if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
+            dp = max(1, self.dp_size) if self.enable_dp_attention else 1
+            fit = self.max_dispatch_tokens_per_rank * max(1, self.tp_size // dp)
+            chunk, running = max(1, min(chunk, fit)), max(1, min(running, fit))
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = chunk
+        if self.max_running_requests is None:
+            self.max_running_requests = running
 
     def _check_ranges(self) -> None:
         def require(ok: bool, flag: str, msg: str) -> None:

@@ -59,9 +59,9 @@ def check_parallel(self: ServerArgs) -> None:
     if self.max_dispatch_tokens_per_rank < 1:
         raise ValueError("--max-dispatch-tokens-per-rank: must be positive")
     if self.moe_a2a_backend == "deepep":
-        from srt.layers.moe.token_dispatcher.factory import check_deepep
+        from srt.layers.moe.token_dispatcher.factory import NO_DEEPEP
 
-        check_deepep()
+        raise ValueError(NO_DEEPEP)
     if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
         _check_low_latency_capacity(self)
 
@@ -82,7 +82,7 @@ def check_overlap(self: ServerArgs) -> None:
     ):
         raise ValueError(
             "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
-            "torch (or deepep), or --enable-dp-attention"
+            "torch, or --enable-dp-attention"
         )
     _check_single_batch_overlap(self)
 

@@ -33,9 +33,10 @@ INVALID = [
     (dict(tp_size=4, ep_size=3), "--ep-size 3 must divide --tp-size 4"),
     (dict(dp_size=0), "--dp-size: must be"),
     (dict(tp_size=2, max_dispatch_tokens_per_rank=0, **TORCH), "--max-dispatch-tokens-per-rank"),
-    (dict(tp_size=2, **LL), "--chunked-prefill-size 2048 puts up to 1024 tokens"),
+    (dict(tp_size=2, chunked_prefill_size=2048, **LL), "--chunked-prefill-size 2048 puts up to"),
+    (dict(tp_size=2, max_running_requests=512, **LL), "--max-running-requests 512 puts up to"),
     (dict(tp_size=2, chunked_prefill_size=-1, **LL), "needs chunked prefill"),
-    (dict(tp_size=2, moe_a2a_backend="deepep", device="cpu"), "deepep needs deep_ep and CUDA"),
+    (dict(tp_size=2, moe_a2a_backend="deepep"), "deepep: srt has no DeepEP dispatcher"),
 ]
 
 
@@ -58,6 +59,9 @@ def test_resolved_layouts(caplog):
         chunked_prefill_size=256, max_running_requests=256,
     )  # fmt: skip
     assert small.max_dispatch_tokens_per_rank == 128  # 256 tokens over 2 attention-TP ranks
+    # low_latency alone: the batch limits default to what fits the capacity
+    derived = args(tp_size=4, dp_size=2, **DPA, **LL, max_dispatch_tokens_per_rank=64)
+    assert (derived.chunked_prefill_size, derived.max_running_requests) == (128, 128)
 
 
 def test_more_ranks_than_experts_is_refused(qwen3_moe_path):

@@ -4,7 +4,6 @@ Build one per micro-batch (TBO builds two): each instance owns its buffers."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +18,10 @@ from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import DUPLEX_MIN_BYTES
 
 DEEPEP_MODES = ("normal", "low_latency", "auto")
+NO_DEEPEP = (
+    "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
+    "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
+)
 
 
 def create_dispatcher(
@@ -52,8 +55,7 @@ def create_dispatcher(
     if backend == "none":
         return StandardDispatcher()
     if backend == "deepep":
-        check_deepep()
-        raise NotImplementedError("--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet")
+        raise ValueError(NO_DEEPEP)
     if backend != "torch":
         raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
@@ -79,19 +81,3 @@ def create_dispatcher(
         for mode in modes:
             mode.enable_blocked(blocked)  # one dispatch at a time: they can share it
     return modes[0] if len(modes) == 1 else TorchA2AAutoDispatcher(*modes)
-
-
-def check_deepep() -> None:
-    missing = []
-    try:
-        importlib.import_module("deep_ep")
-    except Exception as e:  # ImportError, or a broken CUDA extension (OSError, RuntimeError)
-        missing.append(f"deep_ep does not import ({type(e).__name__}: {e})")
-    if not torch.cuda.is_available():
-        missing.append("CUDA is not available")
-    if missing:
-        raise RuntimeError(
-            "--moe-a2a-backend deepep needs deep_ep and CUDA: "
-            + "; ".join(missing)
-            + " (use --moe-a2a-backend torch)"
-        )
