@@ -23,6 +23,7 @@ GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
 TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
 MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
 DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
+DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
 
 
@@ -182,7 +183,7 @@ class ServerArgs:
         ),
     )
     max_dispatch_tokens_per_rank: int = field(
-        default=128,
+        default=DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
         metadata=_arg(
             "parallel",
             "low_latency capacity: tokens one rank may send to another in one dispatch.",

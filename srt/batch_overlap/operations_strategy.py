@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from srt.batch_overlap.operations import ExecutionOperation, OperationItem, YieldOperation
-from srt.batch_overlap.single_batch_overlap import SboFlags
 from srt.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
@@ -112,16 +111,15 @@ class OperationsStrategy:
 
 
 def layer_operations(
-    layer: MoEDecoderLayer, forward_mode: ForwardMode, sbo: SboFlags | None = None
+    layer: MoEDecoderLayer, forward_mode: ForwardMode, sbo: bool = False
 ) -> OperationsStrategy:
-    """``sbo``: single-batch overlap's placement of the shared experts (between the ``_a``
-    and ``_b`` halves of the dispatch or of the combine); for the plain path only."""
+    """``sbo``: single-batch overlap's placement of the shared experts, between
+    ``dispatch_a`` and ``dispatch_b``; for the plain path only."""
     family = layer.operations_family if layer.is_moe else DENSE
     names, delta = family.for_mode(forward_mode)
-    if sbo is not None and sbo.fuse_shared_experts_inside_sbo and layer.has_shared_experts:
+    if sbo and layer.has_shared_experts:
         names = [n for n in names if n != "shared_experts"]
-        after = "dispatch_a" if sbo.dispatch_shared_overlap else "combine_a"
-        names.insert(names.index(after) + 1, "shared_experts")
+        names.insert(names.index("dispatch_a") + 1, "shared_experts")
     ops: list[OperationItem] = []
     for name in names:
         if isinstance(name, YieldOperation):

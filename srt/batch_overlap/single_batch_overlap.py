@@ -5,9 +5,9 @@
   its share of the combine is launched as its own async all-to-all, while the next block
   computes. ``combine_b`` waits for all of them. Every rank launches the same number of block
   collectives (blocks are counted in local experts, the same on every rank), possibly empty.
-- Shared experts: they run while the dispatch (``dispatch_shared_overlap``) or the combine
-  (``combine_shared_overlap``) is in flight: the plain operations list places them between the
-  ``_a`` and ``_b`` halves.
+- Shared experts: they run while the dispatch is in flight (they need only the router's input,
+  and the dispatch is the shorter wait to fill in a decode step): the plain operations list
+  places them between ``dispatch_a`` and ``dispatch_b``.
 
 Wire of a blocked combine: one row per (token, local expert) pair, already multiplied by its
 routing weight, instead of one per (token, rank); a token with two experts in different blocks
@@ -40,28 +40,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-
-
-@dataclass(frozen=True)
-class SboFlags:
-    """Which overlaps a step runs (SGLang's names)."""
-
-    enabled: bool = False
-    combine_down_gemm_overlap: bool = False
-    combine_shared_overlap: bool = False
-    dispatch_shared_overlap: bool = False
-
-    @property
-    def fuse_shared_experts_inside_sbo(self) -> bool:
-        return self.combine_shared_overlap or self.dispatch_shared_overlap
-
-    @classmethod
-    def from_options(cls, enabled: bool) -> SboFlags:
-        """On: blocked combine, and shared experts under the dispatch (they need only the
-        router's input, and the dispatch is the shorter wait to fill in a decode step)."""
-        if not enabled:
-            return cls()
-        return cls(True, True, False, True)
 
 
 def default_num_blocks(num_local_experts: int) -> int:

@@ -35,7 +35,7 @@ from srt.batch_overlap.operations import (
     execute_overlapped_operations,
 )
 from srt.batch_overlap.operations_strategy import OperationsStrategy
-from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len, round_up
+from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
@@ -188,7 +188,7 @@ def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardB
         if batch.forward_mode.is_extend():
             cut = token - sum(batch.extend_seq_lens_cpu[:seq])  # child A's part of seq
         bounds = [(0, token, 0, seq + (cut > 0)), (token, batch.num_tokens, seq, bs)]
-    children = [_child(batch, i, *bounds[i], cut, attn_tp_size) for i in range(2)]
+    children = [_child(batch, i, *bounds[i], cut) for i in range(2)]
     if batch.global_num_tokens_cpu is not None:
         firsts = batch.global_tbo_split_tokens_cpu
         counts = [firsts, [n - a for n, a in zip(batch.global_num_tokens_cpu, firsts)]]
@@ -198,7 +198,7 @@ def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardB
 
 
 def _child(
-    parent: ForwardBatch, index: int, t0: int, t1: int, s0: int, s1: int, cut: int, attn_tp: int
+    parent: ForwardBatch, index: int, t0: int, t1: int, s0: int, s1: int, cut: int
 ) -> ForwardBatch:
     device = parent.device
     seq_lens = list(parent.seq_lens_cpu[s0:s1])
@@ -215,7 +215,6 @@ def _child(
         is_extend_in_batch=parent.is_extend_in_batch,
         tbo_subbatch_index=index,
         tbo_parent_token_range=(t0, t1),
-        tbo_padded_len=round_up(t1 - t0, attn_tp),
     )
     if parent.forward_mode.is_extend() and t1 > t0:
         prefix = list(parent.extend_prefix_lens_cpu[s0:s1])
@@ -226,15 +225,7 @@ def _child(
         elif cut:  # ... and child B computes the rest on top of them
             prefix[0] += cut
             extend[0] -= cut
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
-        starts = [sum(extend[:i]) for i in range(len(extend))]
-        fields |= dict(
-            extend_prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=extend,
-            extend_prefix_lens=as_tensor(prefix),
-            extend_seq_lens=as_tensor(extend),
-            extend_start_loc=as_tensor(starts),
-        )
+        fields |= dict(extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=extend)
     seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     return ForwardBatch(seq_lens=seq_lens_tensor, seq_lens_cpu=seq_lens, **fields)
 

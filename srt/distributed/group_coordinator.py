@@ -35,10 +35,6 @@ class GroupCoordinator:
         return self.ranks.index(self.rank)
 
     @property
-    def first_rank(self) -> int:
-        return self.ranks[0]
-
-    @property
     def is_first_rank(self) -> bool:
         return self.rank == self.ranks[0]
 

@@ -54,9 +54,6 @@ class DpPaddingMode(Enum):
     def is_max_len(self) -> bool:
         return self is DpPaddingMode.MAX_LEN
 
-    def is_sum_len(self) -> bool:
-        return self is DpPaddingMode.SUM_LEN
-
     @classmethod
     def choose(cls, is_extend_in_batch: bool, global_num_tokens: list[int]) -> DpPaddingMode:
         if is_extend_in_batch:

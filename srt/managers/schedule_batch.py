@@ -8,7 +8,6 @@ the cache tree (locked through ``last_node``), the rest to the request.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,8 +64,6 @@ class Req:
         self.output_ids: list[int] = []
         self._init_cache_state(device)
         self.finished_reason: dict | None = None
-        self.num_retractions = 0
-        self.created_time = time.perf_counter()
         seed = sampling_params.sampling_seed
         self.generator = None if seed is None else make_generator(seed, device)
         self.grammar: Any = None  # a RequestGrammar when the request is constrained
@@ -163,7 +160,6 @@ class Req:
         self.prefix_indices = self.prefix_indices[:0]
         self.last_node, self.req_pool_idx, self.kv_len = None, None, 0
         self.fill_ids, self.extend_input_len = [], 0
-        self.num_retractions += 1
 
     def __repr__(self) -> str:
         return f"Req({self.rid}, input={len(self.origin_input_ids)}, out={len(self.output_ids)})"
@@ -266,9 +262,6 @@ class ScheduleBatch:
         keep_ids = {id(r) for r in keep}
         self.reqs = [r for r in self.reqs if id(r) in keep_ids]
 
-    def merge_batch(self, other: ScheduleBatch) -> None:
-        self.reqs.extend(other.reqs)
-
     def check_decode_mem(self) -> bool:
         return self.ctx.decode_room() >= len(self.reqs)
 
@@ -310,21 +303,13 @@ class ScheduleBatch:
             return_logprob=self.return_logprob,
             sampling_info=self._sampling_info(device),
         )
-        if batch.return_logprob:
-            batch.top_logprobs_nums = [r.top_logprobs_num for r in self.reqs]
         if self.forward_mode.is_extend():
-            self._fill_extend_fields(batch, as_tensor)
+            self._fill_extend_fields(batch)
         return batch
 
-    def _fill_extend_fields(self, batch: ForwardBatch, as_tensor: Any) -> None:
+    def _fill_extend_fields(self, batch: ForwardBatch) -> None:
         batch.extend_prefix_lens_cpu = list(self.prefix_lens)
         batch.extend_seq_lens_cpu = list(self.extend_lens)
-        batch.extend_prefix_lens = as_tensor(self.prefix_lens)
-        batch.extend_seq_lens = as_tensor(self.extend_lens)
-        starts = [0]
-        for n in self.extend_lens[:-1]:
-            starts.append(starts[-1] + n)
-        batch.extend_start_loc = as_tensor(starts)
         if batch.return_logprob:
             batch.extend_logprob_start_lens_cpu = list(self.extend_logprob_start_lens)
 

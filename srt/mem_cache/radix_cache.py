@@ -211,14 +211,3 @@ class RadixCache:
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         req.prefix_indices, req.last_node = indices, last_node
-
-    def pretty_print(self) -> str:
-        lines: list[str] = []
-
-        def walk(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                lines.append(f"{'  ' * depth}{child.key} lock={child.lock_ref}")
-                walk(child, depth + 1)
-
-        walk(self.root, 0)
-        return "\n".join(lines)

@@ -35,9 +35,6 @@ class ForwardMode(IntEnum):
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
 
-    def is_mixed(self) -> bool:
-        return self == ForwardMode.MIXED
-
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
 
@@ -73,14 +70,10 @@ class ForwardBatch:
     # Extend only: per sequence, tokens already cached and tokens computed now.
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
-    extend_prefix_lens: torch.Tensor | None = None  # [B]
-    extend_seq_lens: torch.Tensor | None = None  # [B]
-    extend_start_loc: torch.Tensor | None = None  # [B] offset of each sequence's first token
     # Logprobs: for extend, the first position (relative to the new tokens) whose logits are
     # needed for input logprobs; len == B. None means only the last token's logits.
     return_logprob: bool = False
     extend_logprob_start_lens_cpu: list[int] | None = None
-    top_logprobs_nums: list[int] | None = None
     sampling_info: SamplingBatchInfo | None = None
     # Attention-backend private metadata, set by init_forward_metadata.
     attn_metadata: Any = None
@@ -103,7 +96,6 @@ class ForwardBatch:
     tbo_children: list[ForwardBatch] | None = None
     tbo_subbatch_index: int | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
-    tbo_padded_len: int | None = None
 
     @classmethod
     def idle(

@@ -53,7 +53,7 @@ class MoEDecoderLayer(nn.Module):
         self.comm = ctx.communicator(
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
-        self.sbo_flags = ctx.options.sbo_flags
+        self.sbo = ctx.options.enable_single_batch_overlap
         self._operations: dict[ForwardMode, list[OperationItem]] = {}  # built once per mode
 
     @property
@@ -87,7 +87,7 @@ class MoEDecoderLayer(nn.Module):
 
     def get_operations(self, forward_mode: ForwardMode) -> list[OperationItem]:
         if forward_mode not in self._operations:
-            ops = layer_operations(self, forward_mode, self.sbo_flags).operations
+            ops = layer_operations(self, forward_mode, self.sbo).operations
             self._operations[forward_mode] = ops
         return self._operations[forward_mode]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.batch_overlap.single_batch_overlap import SboFlags, default_num_blocks
+from srt.batch_overlap.single_batch_overlap import default_num_blocks
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.communicator import LayerCommunicator, MlpMode
 from srt.layers.dp_attention import DpRowsGather
@@ -35,12 +35,13 @@ from srt.layers.moe.token_dispatcher.base import TokenDispatcher
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.server_args import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 
 
 @dataclass(frozen=True)
 class ModelOptions:
     deepep_mode: str = "auto"
-    max_dispatch_tokens_per_rank: int = 128
+    max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
     enable_dp_lm_head: bool = False
     enable_two_batch_overlap: bool = False
     enable_single_batch_overlap: bool = False
@@ -58,10 +59,6 @@ class ModelOptions:
             server_args.sbo_num_blocks,
             server_args.sbo_communication_sms,
         )
-
-    @property
-    def sbo_flags(self) -> SboFlags:
-        return SboFlags.from_options(self.enable_single_batch_overlap)
 
 
 class ModelContext:

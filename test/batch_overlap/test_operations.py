@@ -141,3 +141,23 @@ def test_layers_concatenate_into_one_strategy(qwen3_moe_path, deepseek_v3_path):
         assert sum(1 for op in strategy.operations if op is YIELD) == per_layer * len(moe_layers)
         names = [op.name for op in strategy.operations if op is not YIELD]
         assert names.count("dispatch_a") == len(moe_layers)
+
+
+def test_single_batch_overlap_runs_shared_experts_under_the_dispatch(deepseek_v3_path):
+    """SBO's plain list moves the shared experts between dispatch_a and dispatch_b (they need
+    only the router's input); without SBO they stay where the family puts them (prefill:
+    under the combine)."""
+    from srt.batch_overlap.operations_strategy import layer_operations
+    from srt.model_executor.model_runner import ModelRunner
+    from srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=deepseek_v3_path, dtype="float32", max_total_tokens=64)
+    model = ModelRunner(args).model.model
+    layer = model.layers[model.tbo_start_layer]
+    for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
+        plain = [op.name for op in layer_operations(layer, mode).operations if op is not YIELD]
+        sbo = [op.name for op in layer_operations(layer, mode, True).operations if op is not YIELD]
+        assert sorted(plain) == sorted(sbo)
+        assert sbo[sbo.index("dispatch_a") + 1] == "shared_experts"
+        if mode is ForwardMode.EXTEND:  # the family's prefill list: under the combine
+            assert plain.index("shared_experts") > plain.index("combine_a")

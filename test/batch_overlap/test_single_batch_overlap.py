@@ -1,6 +1,6 @@
 """Single-batch overlap without a model: the block partition, the blocked-combine layout
-(``compute_overlap_args``) against a brute-force reading of the same routing, the flags, the
-SM split and the CPU combine stream."""
+(``compute_overlap_args``) against a brute-force reading of the same routing, the SM split and
+the CPU combine stream."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from srt.batch_overlap.single_batch_overlap import (
-    SboFlags,
     SmSplit,
     compute_overlap_args,
     default_num_blocks,
@@ -59,13 +58,6 @@ def test_overlap_args_match_the_routing():
     assert combine.token_idx[0].tolist() == [0, 3, 0, 2, 4, 4]
     # block 1: rank 0 {2,3}: (t1,k1), (t3,k1); rank 1 {6,7}: (t1,k0) e7, (t2,k1) e6
     assert combine.token_idx[1].tolist() == [1, 3, 1, 2]
-
-
-def test_flags():
-    assert not SboFlags.from_options(False).enabled
-    on = SboFlags.from_options(True)
-    assert on.combine_down_gemm_overlap and on.dispatch_shared_overlap
-    assert on.fuse_shared_experts_inside_sbo and not on.combine_shared_overlap
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ from typing import Any
 
 from srt.constrained.grammar import xgrammar_module
 
-PARSERS = ("qwen", "qwen25")
 BOT, EOT = "<tool_call>\n", "\n</tool_call>"
 _BLOCK = re.compile(re.escape(BOT) + r"(.*?)" + re.escape(EOT), re.DOTALL)
 

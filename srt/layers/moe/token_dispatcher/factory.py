@@ -16,8 +16,12 @@ from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispat
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import DUPLEX_MIN_BYTES
+from srt.server_args import (
+    DEEPEP_MODE_CHOICES,
+    DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
+    MOE_A2A_BACKEND_CHOICES,
+)
 
-DEEPEP_MODES = ("normal", "low_latency", "auto")
 NO_DEEPEP = (
     "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
     "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
@@ -35,7 +39,7 @@ def create_dispatcher(
     top_k: int = 0,
     hidden_size: int = 0,
     dtype: torch.dtype = torch.bfloat16,
-    max_dispatch_tokens_per_rank: int = 128,
+    max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
     device: torch.device | str = "cpu",
     duplex_min_bytes: int = DUPLEX_MIN_BYTES,
     sbo_num_blocks: int | None = None,
@@ -50,14 +54,14 @@ def create_dispatcher(
     (see ``single_batch_overlap``); ``counts_group``: where the normal mode exchanges its
     counts (see there). Everything but ``backend`` and ``deepep_mode`` is ignored for
     ``none``."""
-    if deepep_mode not in DEEPEP_MODES:
-        raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODES}")
+    if deepep_mode not in DEEPEP_MODE_CHOICES:
+        raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODE_CHOICES}")
     if backend == "none":
         return StandardDispatcher()
     if backend == "deepep":
         raise ValueError(NO_DEEPEP)
     if backend != "torch":
-        raise ValueError(f"--moe-a2a-backend {backend!r} is not one of ('none', 'torch', 'deepep')")
+        raise ValueError(f"--moe-a2a-backend {backend!r} is not one of {MOE_A2A_BACKEND_CHOICES}")
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
     modes: list[TorchA2ANormalDispatcher | TorchA2ALowLatencyDispatcher] = []
     if deepep_mode != "low_latency":
