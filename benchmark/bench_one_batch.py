@@ -40,7 +40,6 @@ from types import SimpleNamespace
 import torch
 
 from srt.batch_overlap.operations import OperationObserver
-from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
 from srt.managers.scheduler_process import init_rank_parallel_state
 from srt.mem_cache.chunk_cache import ChunkCache
@@ -86,10 +85,7 @@ def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -
 
 def step(runner: ModelRunner, batch: ScheduleBatch) -> list[int]:
     forward_batch = batch.to_forward_batch(runner)
-    if runner.parallel.attn_dp_size > 1:  # the scheduler's MLP sync (every group has work)
-        runner.plan_two_batch_overlap(forward_batch)
-        apply_dp_sync(forward_batch, sync_dp_batch(runner.parallel, forward_batch))
-    next_ids = runner.sample(runner.forward(forward_batch), forward_batch).tolist()
+    next_ids = runner.sample(runner.forward_step(forward_batch), forward_batch).tolist()
     for req, tok in zip(batch.reqs, next_ids):
         req.output_ids.append(tok)
     return next_ids

@@ -1,11 +1,6 @@
-"""DP attention: the per-step MLP sync and the token movement between attention-DP groups.
-
-Sync: every step, every rank all-gathers (gloo, cpu group) its batch's shape: tokens, LM-head
-rows, extend or not, forward mode, and its two-batch-overlap proposal (can it split, and where).
-From that every rank derives the same :class:`DpSyncInfo`: per-group counts, the global forward
-mode, the padding mode, the buffer length and the TBO decision (``agree_two_batch_overlap``).
-A rank whose group has no batch runs an IDLE one so that the MoE and LM-head collectives line
-up.
+"""DP attention: the token movement between attention-DP groups, and the padding of the
+buffer that gathers them. The per-step agreement that sizes it (the MLP sync) is in
+``srt.managers.dp_sync``.
 
 Padding (SGLang's rules), for the buffer that gathers every group's tokens around a MoE without
 an all-to-all backend:
@@ -25,7 +20,6 @@ real rows or none. An all-gather inside the attention-TP group puts them back to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
@@ -33,15 +27,13 @@ import torch
 
 from srt.distributed.communication_op import (
     all_gather,
-    all_gather_ints,
     all_gather_variable,
     all_reduce,
     pad_to,
     reduce_scatter,
 )
 from srt.distributed.group_coordinator import GroupCoordinator
-from srt.layers.logits_processor import num_logit_rows
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch
 
 if TYPE_CHECKING:
     from srt.distributed.parallel_state import ParallelState
@@ -73,102 +65,6 @@ def dp_buffer_len(mode: DpPaddingMode, global_num_tokens: list[int], attn_tp_siz
     if mode.is_max_len():
         return max(padded, default=0) * len(padded)
     return sum(padded)
-
-
-# ---------------------------------------------------------------------------------- the sync
-@dataclass
-class DpSyncInfo:
-    """The outcome of one MLP sync; the same on every rank."""
-
-    global_num_tokens: list[int]  # per attention-DP group
-    global_num_tokens_for_logprob: list[int]  # LM-head rows per group
-    is_extend_in_batch: bool
-    global_forward_mode: ForwardMode  # IDLE if every group is idle, EXTEND if any extends
-    padding_mode: DpPaddingMode
-    global_dp_buffer_len: int
-    can_run_tbo: bool = False
-    tbo_split_tokens: list[int] | None = None  # per group, its first micro-batch's tokens
-
-    @property
-    def all_idle(self) -> bool:
-        return self.global_forward_mode.is_idle()
-
-
-def _sync_row(batch: ForwardBatch | None) -> list[int]:
-    if batch is None or batch.forward_mode.is_idle():
-        return [0, 0, 0, int(ForwardMode.IDLE), 0, 0]
-    mode, split = batch.forward_mode, batch.tbo_split_token_index
-    return [
-        batch.num_tokens,
-        num_logit_rows(batch),
-        int(mode.is_extend()),
-        int(mode),
-        int(split is not None),
-        split or 0,
-    ]
-
-
-def agree_two_batch_overlap(rows: list[tuple[ForwardMode, bool]]) -> bool:
-    """The DP agreement of two-batch overlap over ``(forward_mode, local_can_run_tbo)`` per
-    group: TBO only if every non-idle group can split and all non-idle groups are in the same
-    mode; an idle group follows (it splits its empty batch in two); all idle → no TBO."""
-    busy = [(mode, can) for mode, can in rows if not mode.is_idle()]
-    return bool(busy) and all(can for _, can in busy) and len({m for m, _ in busy}) == 1
-
-
-def dp_sync_info(group_rows: list[list[int]], attn_tp_size: int) -> DpSyncInfo:
-    """``group_rows``: per attention-DP group ``[num_tokens, num_tokens_for_logprob,
-    is_extend, forward_mode, local_can_run_tbo, tbo_split_token_index]``, as gathered by
-    :func:`sync_dp_batch`."""
-    tokens = [row[0] for row in group_rows]
-    is_extend = any(row[2] for row in group_rows)
-    if is_extend:
-        mode = ForwardMode.EXTEND
-    elif all(ForwardMode(row[3]).is_idle() for row in group_rows):
-        mode = ForwardMode.IDLE
-    else:
-        mode = ForwardMode.DECODE
-    padding = DpPaddingMode.choose(is_extend, tokens)
-    tbo = agree_two_batch_overlap([(ForwardMode(row[3]), bool(row[4])) for row in group_rows])
-    return DpSyncInfo(
-        tokens,
-        [row[1] for row in group_rows],
-        is_extend,
-        mode,
-        padding,
-        dp_buffer_len(padding, tokens, attn_tp_size),
-        tbo,
-        [row[5] for row in group_rows] if tbo else None,
-    )
-
-
-def sync_dp_batch(parallel: ParallelState, forward_batch: ForwardBatch | None) -> DpSyncInfo:
-    """The MLP sync: one small all-gather over the world's gloo group. Every rank calls it every
-    step, ``forward_batch`` None when its group has no batch. The ranks of an attention-TP group
-    must bring the same batch (checked)."""
-    rows = all_gather_ints(parallel.world, _sync_row(forward_batch))
-    size = parallel.attn_tp_size
-    groups = [rows[d * size] for d in range(len(rows) // size)]
-    for rank, row in enumerate(rows):
-        if row != groups[rank // size]:
-            raise RuntimeError(
-                f"DP sync: rank {rank} brings batch {row} but its attention-TP group's first "
-                f"rank brings {groups[rank // size]}; the ranks of a group run one batch"
-            )
-    return dp_sync_info(groups, size)
-
-
-def apply_dp_sync(forward_batch: ForwardBatch, info: DpSyncInfo) -> None:
-    forward_batch.global_num_tokens_cpu = list(info.global_num_tokens)
-    forward_batch.global_num_tokens_for_logprob_cpu = list(info.global_num_tokens_for_logprob)
-    forward_batch.global_forward_mode = info.global_forward_mode
-    forward_batch.is_extend_in_batch = info.is_extend_in_batch
-    forward_batch.dp_padding_mode = info.padding_mode
-    forward_batch.global_dp_buffer_len = info.global_dp_buffer_len
-    forward_batch.can_run_tbo = info.can_run_tbo
-    forward_batch.global_tbo_split_tokens_cpu = info.tbo_split_tokens
-    if forward_batch.forward_mode.is_idle() and info.can_run_tbo:
-        forward_batch.tbo_split_seq_index = forward_batch.tbo_split_token_index = 0
 
 
 # ---------------------------------------------------------------------------------- chunks

@@ -11,14 +11,12 @@ import time
 from typing import Any
 
 from srt.constrained.grammar import GrammarBackend, grammar_spec
-from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
 from srt.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
-from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -105,8 +103,6 @@ class Scheduler:
         self.num_forward_steps = 0
         self.enable_dp_attention = self.server_args.enable_dp_attention
         self.dp_rank = self.model_runner.parallel.attn_dp_rank
-        self.last_sync_all_idle = True  # DP attention: the last MLP sync found no work anywhere
-        self.num_idle_forward_steps = 0
         # Decode tokens per second over the last GEN_THROUGHPUT_STEPS decode steps.
         self.last_gen_throughput = 0.0
         self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
@@ -192,31 +188,16 @@ class Scheduler:
             self.finished_outside_batch = []
         batch = self.get_next_batch()
         forward_batch = batch.to_forward_batch(self.model_runner) if batch is not None else None
-        if self.enable_dp_attention:
-            self._sync_dp(forward_batch)
+        logits_output = self.model_runner.forward_step(forward_batch)
         if batch is not None:
             reqs = list(batch.reqs)  # processing filters finished requests out of the batch
-            logits_output, next_token_ids = self.run_batch(batch, forward_batch)
+            next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+            self.num_forward_steps += 1
             self.process_batch_result(batch, logits_output, next_token_ids)
             out = self.output_processor.build_output(reqs)
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    def _sync_dp(self, forward_batch: ForwardBatch | None) -> None:
-        """The MLP-sync step: every rank all-gathers its batch's shape (and learns the global
-        forward mode and padding); a rank without work runs an IDLE forward so the MoE
-        collectives line up."""
-        runner = self.model_runner
-        if forward_batch is not None:
-            runner.plan_two_batch_overlap(forward_batch)  # this group's proposal for the sync
-        info = sync_dp_batch(runner.parallel, forward_batch)
-        self.last_sync_all_idle = info.all_idle
-        if forward_batch is not None:
-            apply_dp_sync(forward_batch, info)
-        elif not info.all_idle:
-            runner.forward_idle(info)
-            self.num_idle_forward_steps += 1
 
     def get_next_batch(self) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()
@@ -282,16 +263,6 @@ class Scheduler:
         else:
             self.new_token_ratio.decay()
         batch.prepare_for_decode()
-
-    def run_batch(
-        self, batch: ScheduleBatch, forward_batch: ForwardBatch | None = None
-    ) -> tuple[Any, Any]:
-        if forward_batch is None:
-            forward_batch = batch.to_forward_batch(self.model_runner)
-        logits_output = self.model_runner.forward(forward_batch)
-        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-        self.num_forward_steps += 1
-        return logits_output, next_token_ids
 
     def process_batch_result(self, batch: ScheduleBatch, logits_output: Any, next_ids: Any) -> None:
         if batch.forward_mode.is_extend():
@@ -373,7 +344,7 @@ class Scheduler:
             "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_forward_steps": self.num_forward_steps,
-            "num_idle_forward_steps": self.num_idle_forward_steps,
+            "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
             **self._overlap_step_counts(),
             # Read by SGLang's benchmark clients.

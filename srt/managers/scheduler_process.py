@@ -74,7 +74,8 @@ class SchedulerLoop:
         """Wait for messages only when nothing is running here and, under DP attention, the
         last MLP sync found every group idle (a busy group needs this one every step)."""
         sched = self.scheduler
-        return sched.is_idle() and (not self.dp_attention or sched.last_sync_all_idle)
+        sync = sched.model_runner.last_dp_sync  # DP attention: no work anywhere last step?
+        return sched.is_idle() and (not self.dp_attention or sync is None or sync.all_idle)
 
     def recv_messages(self) -> list[object]:
         """This iteration's messages, the same on every rank of the group."""

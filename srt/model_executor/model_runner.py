@@ -5,15 +5,14 @@ Under tensor parallelism each rank has its own ModelRunner with its shard of the
 vocabulary, expert slices) and a KV pool of its local heads (MLA: the full latent). All ranks
 agree on the pool size (the minimum over ranks), so their schedulers stay in lock-step.
 
-Under DP attention the scheduler syncs every step (``srt.layers.dp_attention.sync_dp_batch``)
-and applies the result to its batch (``apply_dp_sync``) before ``forward``; a rank whose group
-has no batch while others have one calls ``forward_idle`` so that the MoE and LM-head
-collectives line up.
-
-Two-batch overlap: ``plan_two_batch_overlap`` records where this rank's batch would split (the
-scheduler calls it before the MLP sync, which makes the decision unanimous); ``forward`` then
-builds the two children and the model runs its MoE layers on them interleaved. Without DP
-attention every rank runs the same batch, so ``forward`` plans and decides by itself."""
+``forward_step`` is the one entry for a step, used by the scheduler, bench_one_batch and the
+tests: it plans two-batch overlap for this rank's batch (where it would split); under DP
+attention it runs the MLP sync (``srt.managers.dp_sync``; every rank, every step, with or
+without a batch), which makes the split decision unanimous, and applies it to the batch, or
+runs an IDLE forward when only other groups have work so that the MoE and LM-head collectives
+line up. Without DP attention every rank runs the same batch and its own plan decides.
+``forward`` then runs one prepared batch: it builds the two children of a split batch and the
+model runs its MoE layers on them interleaved."""
 
 from __future__ import annotations
 
@@ -30,9 +29,9 @@ from srt.distributed.parallel_state import ParallelState
 from srt.layers import cpu_kernels
 from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from srt.layers.dp_attention import DpSyncInfo, apply_dp_sync
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
+from srt.managers.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from srt.model_executor.cpu_threads import CpuThreads
@@ -109,6 +108,9 @@ class ModelRunner:
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
         self.sbo = server_args.enable_single_batch_overlap
+        self.dp_attention = server_args.enable_dp_attention
+        self.last_dp_sync: DpSyncInfo | None = None  # DP attention: the last step's agreement
+        self.num_idle_forward_steps = 0
         self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
@@ -183,9 +185,26 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        if forward_batch.global_num_tokens_cpu is None:  # no MLP sync: decide locally
+    def forward_step(self, forward_batch: ForwardBatch | None) -> LogitsProcessorOutput | None:
+        """One step of this rank (see the module docstring). Returns the batch's logits, the
+        0-row output of an IDLE forward, or None when nothing ran (no batch here, and under DP
+        attention none anywhere)."""
+        if forward_batch is not None:
             self.plan_two_batch_overlap(forward_batch)
+        if not self.dp_attention:
+            return None if forward_batch is None else self.forward(forward_batch)
+        info = self.last_dp_sync = sync_dp_batch(self.parallel, forward_batch)
+        if forward_batch is not None:
+            apply_dp_sync(forward_batch, info)
+            return self.forward(forward_batch)
+        if info.all_idle:
+            return None
+        self.num_idle_forward_steps += 1
+        return self._forward_idle(info)
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """One prepared batch (planned, and synced under DP attention): ``forward_step``."""
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:
@@ -195,7 +214,7 @@ class ModelRunner:
         self.forward_step_counts[(forward_batch.can_run_tbo, self.sbo, mode)] += 1
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    def forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
+    def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every
         collective of the step has this rank in it. The output has 0 rows."""
         batch = ForwardBatch.idle(self.req_to_token_pool, self.token_to_kv_pool, self.device)

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 from seq_driver import SeqDriver
 
-from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
@@ -63,16 +62,12 @@ def run_script(runner: ModelRunner, dp: int) -> tuple[list, list[bool]]:
     for step in SCRIPT:
         action = step[group % 2]
         batch = driver.batch(action) if action else None
-        if dp > 1:
-            if batch is not None:
-                runner.plan_two_batch_overlap(batch)
-            info = sync_dp_batch(parallel, batch)
-            if batch is None:
-                assert runner.forward_idle(info).next_token_logits.shape[0] == 0
-                split.append(info.can_run_tbo)
-                continue
-            apply_dp_sync(batch, info)
-        results.append(logprobs(runner.forward(batch)))
+        out = runner.forward_step(batch)
+        if batch is None:  # another group has work (the script has no all-idle step)
+            assert dp > 1 and out.next_token_logits.shape[0] == 0
+            split.append(runner.last_dp_sync.can_run_tbo)
+            continue
+        results.append(logprobs(out))
         split.append(batch.can_run_tbo)
     return results, split
 

@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 from seq_driver import SeqDriver
 
 from srt.distributed.parallel_state import init_parallel_state
-from srt.layers.dp_attention import apply_dp_sync, sync_dp_batch
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_loader.weight_utils import iterate_safetensors
 from srt.server_args import ServerArgs
@@ -95,17 +94,11 @@ def run_group_script(runner: ModelRunner, layout: Layout, script: list[list]) ->
     driver, results = SeqDriver(runner, salt=group), []
     for step in script:
         batch = driver.batch(step[group]) if step[group] else None
-        if layout.dp > 1:
-            info = sync_dp_batch(parallel, batch)
-            if info.all_idle:
-                continue
-            if batch is None:
-                idle = runner.forward_idle(info)
-                assert idle.next_token_logits.shape[0] == 0
-                continue
-            apply_dp_sync(batch, info)
+        out = runner.forward_step(batch)
         if batch is not None:
-            results.append(_numpy(runner.forward(batch)))
+            results.append(_numpy(out))
+        elif out is not None:  # an IDLE forward: another group has work
+            assert layout.dp > 1 and out.next_token_logits.shape[0] == 0
     return results
 
 
@@ -133,7 +126,7 @@ def reference(path: str, layout: Layout) -> tuple[list, ...]:
         runner = ModelRunner(layout.server_args(path, tp=1))
         driver = SeqDriver(runner, salt=group)
         steps = [step[group] for step in script if step[group]]
-        columns.append([_numpy(runner.forward(driver.batch(a))) for a in steps])
+        columns.append([_numpy(runner.forward_step(driver.batch(a))) for a in steps])
     return tuple(columns)
 
 

@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from srt.distributed.parallel_state import ParallelState
-from srt.layers.dp_attention import (
-    DpPaddingMode,
-    apply_dp_sync,
-    attn_tp_chunk,
-    chunk_sizes,
-    dp_buffer_len,
-    dp_sync_info,
-    sync_dp_batch,
-)
+from srt.layers.dp_attention import DpPaddingMode, attn_tp_chunk, chunk_sizes, dp_buffer_len
 from srt.layers.logits_processor import num_logit_rows
+from srt.managers.dp_sync import SyncRow, apply_dp_sync, dp_sync_info, sync_dp_batch
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -112,6 +105,7 @@ def test_sync_on_one_rank_and_apply():
     parallel = ParallelState.single_rank()
     assert sync_dp_batch(parallel, None).all_idle
     batch = _batch(ForwardMode.EXTEND, [4, 3], logprob_starts=[1, 3])
+    assert SyncRow.of(batch) == SyncRow(7, 5, 1, int(ForwardMode.EXTEND), 0, 0)
     info = sync_dp_batch(parallel, batch)
     assert info.global_num_tokens == [7]
     assert info.global_num_tokens_for_logprob == [2 + 3]  # last tokens + rows 1..3 of seq 0
@@ -164,5 +158,4 @@ def test_idle_forward_and_sample(qwen3_moe_path):
     out = runner.forward(idle)
     assert out.next_token_logits.shape == (0, runner.model_config.vocab_size)
     assert runner.sample(out, idle).shape == (0,)
-    info = sync_dp_batch(runner.parallel, None)
-    assert runner.forward_idle(info).next_token_logits.shape[0] == 0
+    assert runner.forward_step(None) is None  # no batch and no DP attention: nothing runs

@@ -58,7 +58,7 @@ class ModelDriver:
             extend_prefix_lens_cpu=[0] * len(prompts),
             extend_seq_lens_cpu=list(self.lens),
         )
-        return r.forward(batch).next_token_logits
+        return r.forward_step(batch).next_token_logits
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         r = self.runner
@@ -67,4 +67,5 @@ class ModelDriver:
         for i, row in enumerate(self.rows):
             r.req_to_token_pool.write(row, self.lens[i], loc[i : i + 1])
         self.lens = [n + 1 for n in self.lens]
-        return r.forward(self._batch(ForwardMode.DECODE, tokens, positions, loc)).next_token_logits
+        batch = self._batch(ForwardMode.DECODE, tokens, positions, loc)
+        return r.forward_step(batch).next_token_logits
