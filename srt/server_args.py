@@ -12,7 +12,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.server_args_checks import check_gpus_per_node, check_overlap, check_parallel
+from srt.server_args_checks import (
+    check_gpus_per_node,
+    check_overlap,
+    check_parallel,
+    low_latency_fit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -345,8 +350,7 @@ class ServerArgs:
         fits --max-dispatch-tokens-per-rank (explicit values that do not fit are refused)."""
         chunk, running = (8192, 2048) if self.device == "cuda" else (2048, 256)
         if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
-            dp = max(1, self.dp_size) if self.enable_dp_attention else 1
-            fit = self.max_dispatch_tokens_per_rank * max(1, self.tp_size // dp)
+            fit = low_latency_fit(self)
             chunk, running = max(1, min(chunk, fit)), max(1, min(running, fit))
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = chunk

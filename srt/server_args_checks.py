@@ -11,6 +11,17 @@ if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.server_args")
+NO_DEEPEP = (
+    "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
+    "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
+)
+
+
+def low_latency_fit(self: ServerArgs) -> int:
+    """Tokens one step may bring under --deepep-mode low_latency: the capacity per rank times
+    the attention-TP ranks a group's tokens are spread over."""
+    dp = max(1, self.dp_size) if self.enable_dp_attention else 1
+    return self.max_dispatch_tokens_per_rank * max(1, self.tp_size // dp)
 
 
 def check_parallel(self: ServerArgs) -> None:
@@ -59,8 +70,6 @@ def check_parallel(self: ServerArgs) -> None:
     if self.max_dispatch_tokens_per_rank < 1:
         raise ValueError("--max-dispatch-tokens-per-rank: must be positive")
     if self.moe_a2a_backend == "deepep":
-        from srt.layers.moe.token_dispatcher.factory import NO_DEEPEP
-
         raise ValueError(NO_DEEPEP)
     if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
         _check_low_latency_capacity(self)

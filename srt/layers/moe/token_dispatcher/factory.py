@@ -21,11 +21,7 @@ from srt.server_args import (
     DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
     MOE_A2A_BACKEND_CHOICES,
 )
-
-NO_DEEPEP = (
-    "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
-    "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
-)
+from srt.server_args_checks import NO_DEEPEP
 
 
 def create_dispatcher(
