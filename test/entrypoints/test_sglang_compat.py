@@ -111,7 +111,11 @@ def test_bench_one_batch_server_request(http: httpx.Client) -> None:
     )
     for index in (0, 1):
         counts = [e["meta_info"]["completion_tokens"] for e in events if e["index"] == index]
-        assert counts == [1, 4, 7]  # the first token at once, then every 3 tokens
+        # The scheduler sends the first token at once, then every 3 tokens: 1, 4, 7. Like
+        # SGLang's, the tokenizer side hands a stream its latest state, so when its process is
+        # descheduled while two updates arrive (a loaded machine) they reach the client as one.
+        assert counts[-1] == 7 and counts == sorted(set(counts)), counts
+        assert set(counts) <= {1, 4, 7}, counts
     model_info = http.get("/model_info").json()
     assert model_info["served_model_name"] and model_info["model_type"] == "qwen3_moe"
 
