@@ -4,7 +4,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q -x test
+
+# The unit tier: everything that starts no server, engine or rank processes (about a minute).
+test-fast: lint
+	$(PY) -m pytest -q -x -m "not slow" test
 
 bench: install
 	$(PY) benchmark/bench_one_batch.py $(ARGS)

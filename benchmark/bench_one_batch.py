@@ -38,6 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from make_tiny_models import default_model_path
 
 from srt.batch_overlap.operations import OperationObserver
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
@@ -107,7 +108,7 @@ def run_once(
     step(runner, batch)
     prefill = time.perf_counter() - start
     if observer is not None:
-        events["prefill"], observer.events = observer.events, []
+        events["prefill"] = observer.take_events()
     report(
         verbose,
         f"Prefill. latency: {prefill:6.5f} s, "
@@ -120,7 +121,7 @@ def run_once(
         step(runner, batch)
         decode.append(time.perf_counter() - t)
         if observer is not None and i == 0:
-            events["decode"], observer.events = observer.events, []
+            events["decode"] = observer.take_events()
         if i < 5:
             report(
                 verbose,
@@ -180,6 +181,8 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     parser.add_argument("--profile", default=None, metavar="DIR", help="write timelines here")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.model_path is None:
+        args.model_path = default_model_path()
     if args.compare_overlap and not args.enable_single_batch_overlap:
         args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
     if args.compare_hf and args.tp_size > 1:

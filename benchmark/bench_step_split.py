@@ -18,6 +18,7 @@ import statistics
 import time
 
 import bench_one_batch
+from make_tiny_models import default_model_path
 
 import srt.layers.linear as linear_module
 import srt.layers.moe.fused_moe as fused_moe_module
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs after one warm-up")
     args = parser.parse_args()
+    if args.model_path is None:
+        args.model_path = default_model_path()
     server_args = ServerArgs.from_cli_args(args)
     timer = GemmTimer()
     tokens = args.batch_size * (args.input_len + args.output_len)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from make_tiny_models import default_model_path
+
 from srt.server_args import ServerArgs
 
 
@@ -12,6 +14,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m launch_server", description=__doc__)
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
+    if args.model_path is None:
+        args.model_path = default_model_path()
     try:
         return ServerArgs.from_cli_args(args)
     except ValueError as e:

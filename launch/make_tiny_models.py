@@ -415,6 +415,12 @@ def ensure_tiny_models(root: Path | None = None) -> dict[str, str]:
     return {name: str(root / name) for name in MODEL_NAMES}
 
 
+def default_model_path() -> str:
+    """The model ``python -m launch_server`` and the benchmarks serve without ``--model-path``:
+    the tiny Qwen3-MoE, built (a few MB, no network) on first use."""
+    return ensure_tiny_models()["tiny-qwen3-moe"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)

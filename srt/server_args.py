@@ -36,19 +36,16 @@ def _arg(group: str, help: str, **kwargs: Any) -> dict[str, Any]:
     return {"group": group, "help": help, **kwargs}
 
 
-def default_model_path() -> str:
-    """The bundled tiny Qwen3-MoE, built (a few MB, no network) on first use."""
-    from make_tiny_models import ensure_tiny_models
-
-    return ensure_tiny_models()["tiny-qwen3-moe"]
-
-
 @dataclass
 class ServerArgs:
     # Model and tokenizer
     model_path: str | None = field(
         default=None,
-        metadata=_arg("model", "HF model directory; default: the bundled tiny Qwen3-MoE."),
+        metadata=_arg(
+            "model",
+            "HF model directory (the launcher and benchmarks serve the bundled tiny Qwen3-MoE "
+            "when it is left out).",
+        ),
     )
     tokenizer_path: str | None = field(
         default=None, metadata=_arg("model", "Tokenizer directory; default: --model-path.")
@@ -328,7 +325,7 @@ class ServerArgs:
     def check_and_resolve(self) -> None:
         """Validate every flag once and resolve the "auto" values."""
         if self.model_path is None:
-            self.model_path = default_model_path()
+            raise ValueError("--model-path is required: a Hugging Face model directory")
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
         if self.device == "auto":

@@ -9,6 +9,8 @@ from make_tiny_models import MODEL_NAMES, make_tiny_models
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from srt.server_args import ServerArgs
+
 PROMPTS = [
     "The quick brown",
     "What is the capital",
@@ -52,6 +54,16 @@ def test_only_builds_the_same_bytes(tiny_models: dict[str, str], tmp_path: Path)
     (path,) = make_tiny_models(str(tmp_path), [name]).values()
     for f in Path(tiny_models[name]).iterdir():
         assert f.read_bytes() == (Path(path) / f.name).read_bytes(), f.name
+
+
+def test_launcher_defaults_to_the_bundled_model(tiny_models: dict[str, str]) -> None:
+    """The launcher fills in the bundled model; the library itself requires a model path."""
+    from launch_server import parse_args
+
+    assert parse_args([]).model_path == tiny_models["tiny-qwen3-moe"]
+    assert parse_args(["--model-path", tiny_models["tiny-deepseek-v3"]]).model_path.endswith("v3")
+    with pytest.raises(ValueError, match="--model-path is required"):
+        ServerArgs()
 
 
 def test_checkpoint_uses_released_tensor_names(tiny_models: dict[str, str]) -> None:

@@ -83,18 +83,57 @@ OperationItem = ExecutionOperation | YieldOperation
 class OperationObserver:
     """Watches every operation an executor runs: wraps it in a ``torch.profiler``
     ``record_function`` marker (``--enable-operation-profile``), and, with ``record`` on,
-    keeps an :class:`OpEvent` per run for a timeline."""
+    keeps an :class:`OpEvent` per run for a timeline (``take_events``).
+
+    On CPU an operation's interval is host time around its call. On CUDA the call only
+    enqueues kernels, so the interval comes from a pair of CUDA events on the current stream
+    instead: it ends when the operation's work (and any stream it waited for) has run, without
+    a synchronisation that would change the overlap being measured. Device times are placed on
+    the host clock through one reference event recorded after a synchronisation at the first
+    recorded operation.
+    """
 
     def __init__(self, record: bool = False):
         self.record = record
-        self.events: list[OpEvent] = []
+        self._events: list[OpEvent] = []
+        self._pending: list[tuple[str, int | None, str, Any, Any]] = []
+        self._reference: tuple[float, Any] | None = None  # (host seconds, CUDA event)
 
     def run(self, op: ExecutionOperation, state: LayerState, track: str) -> None:
-        start = time.perf_counter()
+        on_cuda = self.record and state.positions.is_cuda
+        start = self._cuda_event() if on_cuda else time.perf_counter()
         with torch.profiler.record_function(f"{track}:L{op.layer_id}:{op.name}"):
             op(state)
-        if self.record:
-            self.events.append(OpEvent(track, op.layer_id, op.name, start, time.perf_counter()))
+        if not self.record:
+            return
+        if on_cuda:
+            self._pending.append((track, op.layer_id, op.name, start, self._cuda_event()))
+        else:
+            self._events.append(OpEvent(track, op.layer_id, op.name, start, time.perf_counter()))
+
+    def _cuda_event(self) -> Any:
+        if self._reference is None:
+            torch.cuda.synchronize()
+            reference = torch.cuda.Event(enable_timing=True)
+            reference.record()
+            self._reference = (time.perf_counter(), reference)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def take_events(self) -> list[OpEvent]:
+        """The events recorded since the last call, in execution order (waits for the device
+        when some were recorded on CUDA)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            host, reference = self._reference
+            for track, layer_id, name, start, end in self._pending:
+                t0 = host + reference.elapsed_time(start) / 1e3
+                t1 = host + reference.elapsed_time(end) / 1e3
+                self._events.append(OpEvent(track, layer_id, name, t0, t1))
+            self._pending = []
+        events, self._events = self._events, []
+        return events
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,26 @@ def test_state_is_checked():
 def test_observer_records_every_operation_per_micro_batch():
     log, observer = [], OperationObserver(record=True)
     execute_overlapped_operations(_state("A"), _state("B"), _ops(log, "x | y"), 0, observer)
-    assert [(e.track, e.name) for e in observer.events] == [
+    events = observer.take_events()
+    assert [(e.track, e.name) for e in events] == [
         ("A", "x"), ("B", "x"), ("A", "y"), ("B", "y"),
     ]  # fmt: skip
-    assert all(e.end >= e.start for e in observer.events)
+    assert all(e.end >= e.start for e in events)
+    assert observer.take_events() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_observer_times_device_work_on_cuda():
+    """An operation that only enqueues ~50M cycles of device work returns at once on the host;
+    its recorded interval must cover the device work, not the launch."""
+    observer = OperationObserver(record=True)
+    state = LayerState(batch=None, positions=torch.zeros(1, device="cuda"))
+    sleep = ExecutionOperation("sleep", lambda state: torch.cuda._sleep(50_000_000))
+    execute_operations(state, [sleep, ExecutionOperation("noop", lambda state: None)], observer)
+    sleep_event, noop_event = observer.take_events()
+    assert sleep_event.end - sleep_event.start > 5e-3
+    assert noop_event.start >= sleep_event.end - 1e-6
 
 
 def _names(ops) -> str:

@@ -6,20 +6,18 @@ split."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
-from engine_outputs import PROMPTS, assert_same_outputs, run_engine
+from helpers.engine_outputs import PROMPTS, assert_same_outputs, run_engine
+from helpers.server_process import running_server
 
 from srt.managers.io_struct import TokenizedGenerateReqInput
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_process import running_server  # noqa: E402
+pytestmark = pytest.mark.slow  # starts processes
 
 TOLERANCE = 1e-5
 DIGITS = r"[0-9]{2,6}"

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from overlap_script import MODELS, assert_same, run_script, server_args
-from run_ranks import run_ranks
+from helpers.overlap_script import MODELS, assert_same, run_script, server_args
+from helpers.run_ranks import run_ranks
 
 from srt.distributed.parallel_state import init_parallel_state
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
+
+pytestmark = pytest.mark.slow  # starts processes
 
 # Steps that run split in a multi-group layout (the idle step included), and without DP
 # attention (group 0's column alone).

@@ -11,6 +11,8 @@ import pytest
 
 import srt
 
+pytestmark = pytest.mark.slow  # starts processes
+
 pytest.importorskip("xgrammar")
 
 # Long enough that the requests outgrow a small KV pool together.

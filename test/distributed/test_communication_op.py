@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from run_ranks import run_ranks
+from helpers.run_ranks import run_ranks
 
 from srt.distributed import communication_op as comm
 from srt.distributed.group_coordinator import GroupCoordinator
 from srt.distributed.parallel_state import init_parallel_state
+
+pytestmark = pytest.mark.slow  # starts processes
 
 
 def _base(g: int, *shape: int) -> torch.Tensor:

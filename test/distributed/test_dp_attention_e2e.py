@@ -4,15 +4,12 @@ the prompts over the attention-DP groups."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
-from engine_outputs import PARAMS, PROMPTS, assert_same_outputs, run_engine
+from helpers.engine_outputs import PARAMS, PROMPTS, assert_same_outputs, run_engine
+from helpers.server_process import running_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_process import running_server  # noqa: E402
+pytestmark = pytest.mark.slow  # starts processes
 
 DP = {"enable_dp_attention": True}
 # Every batch must fit the fixed-capacity buffers: the batch limits default to the capacity,

@@ -19,14 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_ranks import run_ranks
+from helpers.run_ranks import run_ranks
+from helpers.seq_driver import SeqDriver
 from safetensors.torch import save_file
-from seq_driver import SeqDriver
 
 from srt.distributed.parallel_state import init_parallel_state
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_loader.weight_utils import iterate_safetensors
 from srt.server_args import ServerArgs
+
+pytestmark = pytest.mark.slow  # starts processes
 
 TOLERANCE = 1e-5
 MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")

@@ -11,14 +11,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from engine_outputs import PARAMS, PROMPTS, run_engine
+from helpers.engine_outputs import PARAMS, PROMPTS, run_engine
+from helpers.server_process import ServerProcess, free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_process import ServerProcess, free_port  # noqa: E402
+pytestmark = pytest.mark.slow  # starts processes
 
 LAYOUTS = {
     "tp2": ("--tp", "2"),

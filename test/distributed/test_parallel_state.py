@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from run_ranks import run_ranks
+from helpers.run_ranks import run_ranks
 
 from srt.distributed import communication_op as comm
 from srt.distributed.parallel_state import (
@@ -16,6 +16,8 @@ from srt.distributed.parallel_state import (
     build_parallel_state,
     init_parallel_state,
 )
+
+pytestmark = pytest.mark.slow  # starts processes
 
 GROUPS = ("world", "attn_tp", "moe_ep", "moe_tp")
 TIMEOUT = timedelta(seconds=30)

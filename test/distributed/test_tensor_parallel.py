@@ -4,18 +4,15 @@ single-rank run."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
+from helpers.engine_outputs import PARAMS, PROMPTS, assert_same_outputs
+from helpers.engine_outputs import run_engine as run_tp_engine
+from helpers.server_process import running_server
 
 import srt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from engine_outputs import PARAMS, PROMPTS, assert_same_outputs  # noqa: E402
-from engine_outputs import run_engine as run_tp_engine  # noqa: E402
-from server_process import running_server  # noqa: E402
+pytestmark = pytest.mark.slow  # starts processes
 
 
 def run_engine(path: str, tp_size: int, prompts: list[list[int]] = PROMPTS) -> list[dict]:

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from run_ranks import run_ranks
+from helpers.run_ranks import run_ranks
 
 from srt.distributed import communication_op as comm
 from srt.distributed.group_coordinator import GroupCoordinator
@@ -25,6 +25,8 @@ from srt.layers.linear import (
 )
 from srt.layers.mlp import GatedMLP
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+pytestmark = pytest.mark.slow  # starts processes
 
 TOL = 1e-5
 HIDDEN, HEAD_DIM, TOKENS, VOCAB = 16, 4, 5, 37  # 37: not divisible by 2 or 4

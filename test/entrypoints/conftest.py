@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, running_server
+from helpers.server_process import ServerProcess, running_server
 
 
 @pytest.fixture(scope="module")

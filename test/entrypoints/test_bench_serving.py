@@ -11,9 +11,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from server_process import ServerProcess, assert_pool_full, wait_idle
+from helpers.server_process import ServerProcess, assert_pool_full, wait_idle
 
-pytestmark = pytest.mark.usefixtures("print_server_log")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
 NUM_PROMPTS = 10

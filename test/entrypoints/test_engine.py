@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM
 
 import srt
 
+pytestmark = pytest.mark.slow  # starts processes
+
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes
+
 GC_TIMEOUT_S = 10
 SCRIPT = f"""
 import faulthandler, gc, sys

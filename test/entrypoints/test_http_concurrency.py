@@ -9,14 +9,14 @@ import time
 
 import httpx
 import pytest
-from server_process import (
+from helpers.server_process import (
     ServerProcess,
     assert_pool_full,
     internal_state,
     wait_idle,
 )
 
-pytestmark = pytest.mark.usefixtures("print_server_log")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
 NUM_STREAMS = 64
 LONG = 2000  # new tokens of a request that must be aborted long before it could finish

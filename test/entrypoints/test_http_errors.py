@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_process import (
+from helpers.server_process import (
     ServerProcess,
     assert_pool_full,
     internal_state,
@@ -18,7 +18,7 @@ from server_process import (
     wait_idle,
 )
 
-pytestmark = pytest.mark.usefixtures("print_server_log")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
 MAX_RUNNING = 2  # so that a request can be held in the scheduler's queue
 LONG = 2000  # new tokens of a request that is aborted long before it could finish

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, assert_pool_full, wait_idle
+from helpers.http_client import generate, sse_data, stream_generate
+from helpers.server_process import ServerProcess, assert_pool_full, wait_idle
 from transformers import AutoTokenizer
 
 import srt
 
-pytestmark = pytest.mark.usefixtures("print_server_log")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
 PROMPTS = [
     "The capital of France is",
@@ -30,27 +30,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def tokenizer(qwen3_moe_path: str):
     return AutoTokenizer.from_pretrained(qwen3_moe_path)
-
-
-def generate(http: httpx.Client, **body) -> dict | list[dict]:
-    response = http.post("/generate", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def sse_data(lines: Iterator[str]) -> Iterator[str]:
-    """The payloads of the ``data:`` lines of an SSE body."""
-    return (line[len("data: ") :] for line in lines if line.startswith("data: "))
-
-
-def stream_generate(http: httpx.Client, **body) -> list[dict]:
-    """The JSON events of a streamed /generate, after checking it ends with [DONE]."""
-    with http.stream("POST", "/generate", json={**body, "stream": True}) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        payloads = list(sse_data(response.iter_lines()))
-    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
-    return [json.loads(p) for p in payloads[:-1]]
 
 
 # ------------------------------------------------------------------------------ OpenAI

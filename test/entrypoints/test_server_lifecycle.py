@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import (
+from helpers.server_process import (
     ServerProcess,
     assert_pool_full,
     internal_state,
@@ -20,6 +20,8 @@ from server_process import (
 )
 
 from srt.managers.tokenizer_manager import WARMUP_TEXT
+
+pytestmark = pytest.mark.slow  # starts processes
 
 GENERATE = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
 PROTECTED = [

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, assert_pool_full, running_server, wait_idle
-from test_http_server import generate, stream_generate
+from helpers.http_client import generate, stream_generate
+from helpers.server_process import ServerProcess, assert_pool_full, running_server, wait_idle
 
-pytestmark = pytest.mark.usefixtures("print_server_log")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
 PROMPT = "The capital of France is"
 

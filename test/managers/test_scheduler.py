@@ -79,6 +79,7 @@ def test_shared_prefix_hit_matches_alone(assert_kv_pool_full, reference):
     ],
     ids=["chunked", "no-radix-chunked", "lpm-max-running"],
 )
+@pytest.mark.slow
 def test_configs_match_alone(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
     with engine(path, **kwargs) as eng:
@@ -95,6 +96,7 @@ def test_configs_match_alone(assert_kv_pool_full, reference, kwargs):
     ],
     ids=["unchunked", "chunked", "no-radix"],
 )
+@pytest.mark.slow
 def test_retraction_keeps_greedy_output(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
     with engine(path, max_total_tokens=150, **kwargs) as eng:

@@ -16,7 +16,7 @@ CORES = len(os.sched_getaffinity(0))
 
 
 def _args(**kwargs) -> ServerArgs:
-    return ServerArgs(device="cpu", **kwargs)
+    return ServerArgs(model_path="unused", device="cpu", **kwargs)
 
 
 def test_small_model_leaves_a_core_to_the_front_end_in_decode():

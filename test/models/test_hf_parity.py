@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_driver import ModelDriver
+from helpers.model_driver import ModelDriver
 from transformers import AutoModelForCausalLM
 
 PROMPTS = [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_driver import ModelDriver
+from helpers.model_driver import ModelDriver
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import srt
@@ -67,6 +67,7 @@ def test_single_rank_matches_hf(saved_path, hf_reference):
             logits = driver.decode([tokens[step] for tokens, _ in hf_reference])
 
 
+@pytest.mark.slow  # two rank processes
 def test_dp_attention_two_batch_overlap_matches_hf(saved_path, hf_reference):
     engine = srt.Engine(
         model_path=saved_path, dtype="float32", max_total_tokens=1024, tp_size=2, dp_size=2,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_spawn import free_port
+from helpers.run_ranks import free_port
 
 from srt.batch_overlap.single_batch_overlap import CudaCombineStream, SmSplit
 from srt.distributed.parallel_state import init_parallel_state

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from moe_spawn import run_ranks
+from helpers.run_ranks import run_ranks
 
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.auto import TorchA2AAutoDispatcher
@@ -16,6 +16,8 @@ from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
+
+pytestmark = pytest.mark.slow  # starts processes
 
 HIDDEN, INTER, TOP_K, CAPACITY = 16, 24, 3, 16
 # wire rows are 88 bytes (fp32): some exchanges split by direction, others do not; ranks must
@@ -240,7 +242,9 @@ def _check_construction(rank: int, world: int, groups) -> None:
         _make("normal", groups, (rank + 1) % world, world)
 
 
-def _worker(rank: int, world: int, num_groups: int) -> None:
+def _worker(rank: int, world: int, init_method: str, num_groups: int) -> None:
+    torch.set_num_threads(1)  # the ranks share a few cores
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     groups = [dist.new_group(list(range(world))) for _ in range(num_groups)]
     _check_construction(rank, world, groups)
     _check_cases(rank, world, groups)
@@ -255,7 +259,7 @@ def _worker(rank: int, world: int, num_groups: int) -> None:
 
 @pytest.mark.parametrize("world,num_groups", [(2, 1), (2, 2), (4, 2)])
 def test_torch_a2a_dispatchers_match_single_process_moe(world: int, num_groups: int) -> None:
-    run_ranks(_worker, world, num_groups)
+    run_ranks(_worker, world, num_groups, timeout=180.0)
 
 
 def test_factory_without_torch_distributed() -> None:

@@ -1,13 +1,13 @@
 """The script the overlap exactness tests replay on every rank, once per variant (overlap off
 and on), as the scheduler runs it: the TBO proposal, the MLP sync, then a forward or an idle
-forward. Built on SeqDriver (test/distributed)."""
+forward. Built on SeqDriver."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from seq_driver import SeqDriver
 
+from helpers.seq_driver import SeqDriver
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
