@@ -142,6 +142,7 @@ class ModelContext:
                     sbo_communication_sms=opts.sbo_communication_sms,
                     combine_group=p.moe_ep_combine,
                     counts_group=p.moe_ep.cpu_group if p.moe_ep_size > 1 else None,
+                    tag=len(self.dispatchers),
                 )
             )
         return self.dispatchers

@@ -20,6 +20,7 @@ from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
 pytestmark = pytest.mark.slow  # starts processes
 
 HIDDEN, INTER, TOP_K, CAPACITY = 16, 24, 3, 16
+MAX_TOKENS = 12  # the most tokens a rank has in these cases: the step bound the model passes
 # wire rows are 88 bytes (fp32): some exchanges split by direction, others do not; ranks must
 # agree on which every time
 DUPLEX_MIN_BYTES = 500
@@ -98,6 +99,7 @@ def _make(
     dtype=torch.float32,
     cap=CAPACITY,
     sbo_num_blocks=None,
+    tag=0,
 ):
     """With two groups, exchanges of more than DUPLEX_MIN_BYTES on a link split by direction."""
     return create_dispatcher(
@@ -113,11 +115,15 @@ def _make(
         max_dispatch_tokens_per_rank=cap,
         duplex_min_bytes=DUPLEX_MIN_BYTES,
         sbo_num_blocks=sbo_num_blocks,
+        tag=tag,
     )
 
 
-def _through(dispatcher, local: FusedMoE, inputs, is_extend: bool, seen=None) -> torch.Tensor:
-    dispatcher.dispatch_a(*inputs, is_extend=is_extend)
+def _through(
+    dispatcher, local: FusedMoE, inputs, is_extend: bool, seen=None, bound=None
+) -> torch.Tensor:
+    """``bound``: the step's token bound; with it the normal mode on gloo sends ragged."""
+    dispatcher.dispatch_a(*inputs, is_extend=is_extend, global_max_tokens=bound)
     dispatched = dispatcher.dispatch_b()
     if seen is not None:
         seen.append(dispatched)
@@ -125,10 +131,10 @@ def _through(dispatcher, local: FusedMoE, inputs, is_extend: bool, seen=None) ->
     return dispatcher.combine_b()
 
 
-def _through_blocked(dispatcher, local: FusedMoE, inputs, is_extend: bool) -> torch.Tensor:
+def _through_blocked(dispatcher, local: FusedMoE, inputs, is_extend: bool, bound) -> torch.Tensor:
     """Single-batch overlap's order: up-projections, then each block's down-projection followed
     by its combine."""
-    dispatcher.dispatch_a(*inputs, is_extend=is_extend)
+    dispatcher.dispatch_a(*inputs, is_extend=is_extend, global_max_tokens=bound)
     hidden, weights, ids = dispatcher.dispatch_b()
     blocks = local.up_project_blocks(hidden, weights, ids, dispatcher.overlap_args)
     dispatcher.combine_a_blocks(lambda i: local.down_project_block(blocks, i, hidden.shape[1]))
@@ -144,7 +150,8 @@ def _check_blocked(rank: int, world: int, groups) -> None:
         for seed, case in enumerate(CASES):
             inputs = _routing(case, rank, world, seed, HIDDEN, torch.float32)
             for is_extend in (True, False) if mode == "auto" else (True,):
-                out = _through_blocked(dispatcher, local, inputs, is_extend)
+                bound = MAX_TOKENS if seed % 2 else None
+                out = _through_blocked(dispatcher, local, inputs, is_extend, bound)
                 _assert_matches(out, ref, inputs)
         inputs = _routing("random", rank, world, 99, HIDDEN, torch.float32)
         _assert_matches(_through(dispatcher, local, inputs, False), ref, inputs)
@@ -174,12 +181,13 @@ def _assert_matches(out: torch.Tensor, ref: FusedMoE, inputs, atol: float = 1e-5
 def _check_cases(rank: int, world: int, groups) -> None:
     ref, local = _experts(rank, world, HIDDEN, torch.float32)
     dispatchers = {mode: _make(mode, groups, rank, world) for mode in MODES}
-    for seed, case in enumerate(CASES):
+    for (seed, case), bound in itertools.product(enumerate(CASES), (None, MAX_TOKENS)):
         inputs = _routing(case, rank, world, seed, HIDDEN, torch.float32)
         seen = []
         for mode, dispatcher in dispatchers.items():
             for is_extend in (True, False) if mode == "auto" else (True,):
-                _assert_matches(_through(dispatcher, local, inputs, is_extend, seen), ref, inputs)
+                out = _through(dispatcher, local, inputs, is_extend, seen, bound)
+                _assert_matches(out, ref, inputs)
         normal, low_latency = seen[0], seen[1]
         _check_received(case, rank, world, normal)
         # low_latency: fixed [ep·C] rows, of which exactly the normal mode's rows are valid
@@ -190,11 +198,11 @@ def _check_cases(rank: int, world: int, groups) -> None:
 def _check_interleaved(rank: int, world: int, groups, modes: tuple[str, str]) -> None:
     """TBO's order: A and B in flight at once, each instance with its own buffers."""
     ref, local = _experts(rank, world, HIDDEN, torch.float32)
-    a, b = (_make(mode, groups, rank, world) for mode in modes)
+    a, b = (_make(mode, groups, rank, world, tag=tag) for tag, mode in enumerate(modes))
     in_a = _routing("random", rank, world, 7, HIDDEN, torch.float32)
     in_b = _routing("same_rank_topk", rank, world, 8, HIDDEN, torch.float32)
-    a.dispatch_a(*in_a, is_extend=False)
-    b.dispatch_a(*in_b, is_extend=False)
+    a.dispatch_a(*in_a, is_extend=False, global_max_tokens=MAX_TOKENS)
+    b.dispatch_a(*in_b, is_extend=False, global_max_tokens=MAX_TOKENS)
     out_a = a.dispatch_b()
     a.combine_a(local(*out_a))
     out_b = b.dispatch_b()
@@ -208,9 +216,8 @@ def _check_bf16_odd_hidden(rank: int, world: int, groups) -> None:
     ref, local = _experts(rank, world, hidden, torch.bfloat16)
     inputs = _routing("random", rank, world, 11, hidden, torch.bfloat16)
     for mode in ("normal", "low_latency"):
-        out = _through(
-            _make(mode, groups, rank, world, hidden, torch.bfloat16), local, inputs, True
-        )
+        dispatcher = _make(mode, groups, rank, world, hidden, torch.bfloat16)
+        out = _through(dispatcher, local, inputs, True, bound=MAX_TOKENS)
         _assert_matches(out, ref, inputs, atol=3e-2)
 
 
@@ -227,6 +234,29 @@ def _check_capacity(rank: int, world: int, groups) -> None:
     over = (torch.randn(6, HIDDEN), torch.rand(6, TOP_K), torch.tensor([[0, 1, 2]] * 6))
     with pytest.raises(RuntimeError, match="--max-dispatch-tokens-per-rank=4"):
         _make("low_latency", groups, rank, world, cap=4).dispatch_a(*over)
+
+
+def _rows_to(ids: torch.Tensor, world: int) -> list[int]:
+    """(token, rank) pairs a rank with top-k ``ids`` sends each rank."""
+    return [int(((ids >= 0) & (ids // 4 == p)).any(dim=1).sum()) for p in range(world)]
+
+
+def _check_ragged_bytes(rank: int, world: int, groups) -> None:
+    """On gloo a rank sends each peer a header and its valid rows only (low_latency: both ways;
+    normal: the dispatch, whose combine sizes are exact anyway)."""
+    ref, local = _experts(rank, world, HIDDEN, torch.float32)
+    routings = [_routing("random", r, world, 5, HIDDEN, torch.float32) for r in range(world)]
+    peers = [p for p in range(world) if p != rank]
+    sent = _rows_to(routings[rank][2], world)
+    received = [_rows_to(routings[p][2], world)[rank] for p in range(world)]
+    for mode in ("normal", "low_latency"):
+        dispatcher = _make(mode, groups, rank, world)
+        out = _through(dispatcher, local, routings[rank], True, bound=MAX_TOKENS)
+        _assert_matches(out, ref, routings[rank])
+        expected = sum((1 + sent[p]) * dispatcher.fmt.row_bytes for p in peers)
+        if mode == "low_latency":
+            expected += sum(received[p] * dispatcher.fmt.hidden_bytes for p in peers)
+        assert dispatcher.p2p.bytes_sent == expected, (mode, dispatcher.p2p.bytes_sent, expected)
 
 
 def _check_construction(rank: int, world: int, groups) -> None:
@@ -253,6 +283,7 @@ def _worker(rank: int, world: int, init_method: str, num_groups: int) -> None:
     # the second micro-batch on groups of its own
     _check_interleaved(rank, world, [dist.new_group(list(range(world)))], ("auto", "auto"))
     _check_bf16_odd_hidden(rank, world, groups)
+    _check_ragged_bytes(rank, world, groups)
     _check_capacity(rank, world, groups)
     _check_blocked(rank, world, groups)
 

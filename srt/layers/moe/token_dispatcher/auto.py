@@ -33,7 +33,9 @@ class TorchA2AAutoDispatcher(TokenDispatcher):
             raise RuntimeError("dispatcher dispatch_a called before the last combine_b")
         too_many = global_max_tokens is not None and global_max_tokens > self.low_latency.capacity
         self._active = self.normal if is_extend or too_many else self.low_latency
-        self._active.dispatch_a(hidden_states, topk_weights, topk_ids)
+        self._active.dispatch_a(
+            hidden_states, topk_weights, topk_ids, global_max_tokens=global_max_tokens
+        )
 
     @property
     def active(self) -> TokenDispatcher:

@@ -42,13 +42,15 @@ def create_dispatcher(
     sbo_communication_sms: int | None = None,
     counts_group: ProcessGroup | None = None,
     combine_group: ProcessGroup | None = None,
+    tag: int = 0,
 ) -> TokenDispatcher:
     """``groups``: the EP process group, or two over the same ranks for full duplex on gloo,
     used for exchanges whose largest link carries ≥ ``duplex_min_bytes`` (see ``torch_a2a``).
     ``sbo_num_blocks``: single-batch overlap's blocked combine, in every mode;
     ``sbo_communication_sms`` and ``combine_group``: its SM split and its nccl group on CUDA
     (see ``single_batch_overlap``); ``counts_group``: where the normal mode exchanges its
-    counts (see there). Everything but ``backend`` and ``deepep_mode`` is ignored for
+    counts (see there); ``tag``: the micro-batch index (ragged messages, see ``ragged``).
+    Everything but ``backend`` and ``deepep_mode`` is ignored for
     ``none``."""
     if deepep_mode not in DEEPEP_MODE_CHOICES:
         raise ValueError(f"--deepep-mode {deepep_mode!r} is not one of {DEEPEP_MODE_CHOICES}")
@@ -61,11 +63,11 @@ def create_dispatcher(
     common = (groups, ep_rank, ep_size, num_experts, top_k, hidden_size, dtype)
     modes: list[TorchA2ANormalDispatcher | TorchA2ALowLatencyDispatcher] = []
     if deepep_mode != "low_latency":
-        modes.append(TorchA2ANormalDispatcher(*common, duplex_min_bytes, counts_group))
+        modes.append(TorchA2ANormalDispatcher(*common, duplex_min_bytes, counts_group, tag))
     if deepep_mode != "normal":
         modes.append(
             TorchA2ALowLatencyDispatcher(
-                *common, max_dispatch_tokens_per_rank, device, duplex_min_bytes
+                *common, max_dispatch_tokens_per_rank, device, duplex_min_bytes, tag
             )
         )
     if sbo_num_blocks:

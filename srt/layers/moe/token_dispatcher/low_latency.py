@@ -11,6 +11,12 @@ invalid rows, so FusedMoE skips them.
 Wire, combine: the expert outputs ``[ep_size·C, H]`` go back in the same slots (equal splits, no
 header: the sender knows where it put each token) and the sender sums its tokens' slots in fp32.
 
+On gloo only the valid rows travel, both ways (``ragged``): dispatch sends each peer its header
+and ``count`` rows into the peer's fixed block (point-to-point, the receive posted for the
+whole block), and combine returns exactly those rows into the same slots; the buffers, shapes
+and slots stay as above. On nccl, whose receives must match the sizes sent, whole blocks
+travel.
+
 Capacity: a rank sends a token at most once to each rank, so ``T ≤ C`` can never overflow and is
 checked from shapes alone; only a larger batch costs a look at the counts.
 
@@ -31,6 +37,13 @@ from torch.distributed import ProcessGroup
 
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
+from srt.layers.moe.token_dispatcher.ragged import (
+    HEADER_ROWS,
+    P2PExchange,
+    read_headers,
+    supports_ragged,
+    write_headers,
+)
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
@@ -57,7 +70,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
     """EP dispatcher with buffers of ``max_dispatch_tokens_per_rank`` rows per destination rank,
     allocated once per instance (one instance per micro-batch, so buffers never alias).
 
-    ``groups``: as for the normal dispatcher (one, or two for full duplex on gloo)."""
+    ``groups``, ``tag``: as for the normal dispatcher (one, or two for full duplex on gloo)."""
 
     def __init__(
         self,
@@ -71,6 +84,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         max_dispatch_tokens_per_rank: int,
         device: torch.device | str = "cpu",
         duplex_min_bytes: int = DUPLEX_MIN_BYTES,
+        tag: int = 0,
     ):
         if max_dispatch_tokens_per_rank < 1:
             raise ValueError("--max-dispatch-tokens-per-rank must be ≥ 1")
@@ -78,6 +92,8 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
         self.capacity = max_dispatch_tokens_per_rank
+        self.p2p = P2PExchange(groups, ep_rank, ep_size, tag) if supports_ragged(groups) else None
+        self._counts: tuple[list[int], list[int]] | None = None  # ragged: (sent, received) rows
         self._guard = PhaseGuard()
         self._slots: _Slots | None = None
         self._pending: PendingWork | None = None
@@ -113,14 +129,30 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         pos = sends.cumsum(dim=0) - 1  # [T, ep] slot of token t in the block for rank r
         send_slot = torch.where(sends, self._ranks * (c + 1) + 1 + pos, ep * (c + 1))  # [T, ep]
         self._pack(hidden_states, topk_weights, topk_ids, dest, send_slot, counts)
-        splits, link_bytes = [c + 1] * ep, (c + 1) * self.fmt.row_bytes
-        self._pending = self.exchange.launch(
-            self._recv_buf, self._send_buf, splits, splits, link_bytes
-        )
+        if self.p2p is not None:
+            self._launch_ragged(counts.tolist())
+        else:
+            splits, link_bytes = [c + 1] * ep, (c + 1) * self.fmt.row_bytes
+            self._pending = self.exchange.launch(
+                self._recv_buf, self._send_buf, splits, splits, link_bytes
+            )
         combine_slot = torch.where(sends, self._ranks * c + pos, ep * c)  # [T, ep]
         self._slots = _Slots(
             combine_slot, topk_ids, hidden_states.shape[0], topk_weights.dtype, topk_ids.dtype
         )
+
+    def _blocks(self, buf: torch.Tensor, rows: int, counts: list[int], extra: int = 0) -> list:
+        """The first ``extra + counts[r]`` rows of rank r's block of ``rows`` rows in ``buf``."""
+        return [buf[r * rows : r * rows + extra + n] for r, n in enumerate(counts)]
+
+    def _launch_ragged(self, counts: list[int]) -> None:
+        """Each peer gets its header and valid rows; this rank's block is copied locally."""
+        me, c1 = self.layout.ep_rank, self.capacity + HEADER_ROWS
+        sends = self._blocks(self._send_buf, c1, counts, HEADER_ROWS)
+        recvs = {p: self._recv_buf[p * c1 : (p + 1) * c1] for p in self.p2p.peers()}
+        self._pending = self.p2p.launch({p: sends[p] for p in recvs}, recvs)
+        self._recv_buf[me * c1 : me * c1 + sends[me].shape[0]].copy_(sends[me])
+        self._counts = (counts, [])
 
     def _check_capacity(self, num_tokens: int, counts: torch.Tensor) -> None:
         if num_tokens <= self.capacity:
@@ -152,8 +184,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
             torch.index_select(hidden, 0, pair_of_slot // ep, out=row_hidden)
             torch.index_select(weights.reshape(t * ep, k), 0, pair_of_slot, out=row_weights)
             torch.index_select(ids.reshape(t * ep, k), 0, pair_of_slot, out=row_ids)
-        header = self._send_buf.view(ep, self.capacity + 1, -1)[:, 0, :4]  # [ep, 4]
-        header.copy_(counts.to(torch.int32).view(torch.uint8).view(ep, 4))
+        write_headers(self._send_buf, self._ranks * (self.capacity + HEADER_ROWS), counts)
 
     def dispatch_b(self) -> DispatchOutput:
         """Fixed shape ``[ep_size·C, H]``, block by source rank; fresh tensors (the receive
@@ -162,7 +193,10 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self._pending.wait()
         self._pending = None
         ep, c = self.layout.ep_size, self.capacity
-        counts = self._recv_buf.view(ep, c + 1, -1)[:, 0, :4].contiguous().view(torch.int32)
+        headers = self._recv_buf.view(ep, c + 1, -1)[:, 0]  # [ep, row_bytes]
+        if self._counts is not None:  # host counts: the combine sends exactly these rows back
+            self._counts = (self._counts[0], read_headers(headers))
+        counts = headers[:, :4].contiguous().view(torch.int32)  # [ep, 1], no host sync
         valid = self._slot_pos[None, :] < counts  # [ep, C]
         hidden, weights, ids = (
             x.view(ep, c + 1, -1)[:, 1:].reshape(ep * c, -1).contiguous()  # minus headers, copied
@@ -189,15 +223,30 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
                 f"{self.fmt.hidden_size}) as returned by dispatch_b"
             )
         self._send = expert_output.to(self.fmt.dtype).contiguous()  # alive until combine_b
+        if self._counts is not None:
+            self._combine_ragged()
+            return
         splits, link_bytes = [c] * ep, c * self.fmt.hidden_bytes
         self._pending = self.exchange.launch(
             self._combine_buf[:-1], self._send, splits, splits, link_bytes
         )
 
+    def _combine_ragged(self) -> None:
+        """Exactly the rows each peer sent come back into the slots they left from."""
+        (sent, received), c, me = self._counts, self.capacity, self.layout.ep_rank
+        back = self._blocks(self._send, c, received)
+        recvs = self._blocks(self._combine_buf, c, sent)
+        peers = self.p2p.peers()  # both sides skip an empty message (gloo sends no 0 bytes)
+        self._pending = self.p2p.launch(
+            {p: back[p] for p in peers if received[p]}, {p: recvs[p] for p in peers if sent[p]}
+        )
+        recvs[me].copy_(back[me])
+        self._counts = None
+
     def combine_b(self) -> torch.Tensor:
         self._guard.enter("combine_b")
         if self.overlap_args is not None:
-            self._slots = None
+            self._slots = self._counts = None
             return self.blocked.finish()
         self._pending.wait()
         slots, ep, h = self._slots, self.layout.ep_size, self.fmt.hidden_size

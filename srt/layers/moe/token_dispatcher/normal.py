@@ -1,17 +1,22 @@
 """``--moe-a2a-backend torch --deepep-mode normal``: exact variable split sizes.
 
-dispatch_a: route the (token, rank) pairs; launch the count exchange, an all_to_all_single of a
-small int64 ``[ep, ep]`` tensor (each rank sends its row counts to every rank, so every rank
-learns the whole ``[src, dst]`` matrix: its receive sizes, and the largest link, which decides
-the same way on every rank whether to split the payload by direction); pack the payload while
-the counts travel; wait for the counts (the receive sizes are needed to allocate and launch the
-payload: the only wait in an ``_a`` half, one small round trip); launch the payload
-all_to_all_single async. dispatch_b waits for it.
+On gloo with the step's bound (``global_max_tokens``, which the MLP sync gives every rank):
+dispatch_a routes the (token, rank) pairs, packs each peer's rows behind a header row holding
+their count, and posts one isend and one bounded irecv per peer (``ragged``): it never waits.
+dispatch_b waits, reads the counts from the headers and concatenates the rows by source rank.
+
+Otherwise (nccl, or a caller without the bound): dispatch_a launches a count exchange, an
+all_to_all_single of a small int64 ``[ep, ep]`` tensor (each rank sends its row counts to
+every rank, so every rank learns the whole ``[src, dst]`` matrix), packs the payload while the
+counts travel, waits for them (the receive sizes are needed to allocate and launch the payload:
+one small round trip) and launches the payload all_to_all_single async. dispatch_b waits.
 
 Wire: rows sorted by destination rank, then token; one row per (token, rank) pair (see
 ``torch_a2a``). The receiver gets ``[R, H]`` rows with ``[R, k]`` masked ids and weights. Combine
-sends the expert outputs ``[R, H]`` back with the split sizes reversed, and the sender sums them
-per original token.
+sends the expert outputs ``[R, H]`` back with the split sizes reversed (both sides know them
+after the dispatch), and the sender sums them per original token. Whether an exchange splits
+by link direction is decided from a size every rank knows: the largest link of the count
+matrix, or the bound on the ragged path.
 
 Single-batch overlap (``blocked``): dispatch_b also plans the blocked combine
 (``blocked_combine``); the combine then goes out block by block (``combine_a_block``, one async
@@ -30,6 +35,13 @@ from torch.distributed import ProcessGroup
 
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
+from srt.layers.moe.token_dispatcher.ragged import (
+    HEADER_ROWS,
+    P2PExchange,
+    read_headers,
+    supports_ragged,
+    write_headers,
+)
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
@@ -48,8 +60,8 @@ class _Routed(NamedTuple):
 
     token_idx: torch.Tensor  # [S] source token of each sent row
     send_splits: list[int]  # rows sent to each rank
-    recv_splits: list[int]  # rows received from each rank
-    link_rows: int  # the most rows any rank sends any other rank (same on every rank)
+    recv_splits: list[int]  # rows received from each rank (ragged: known at dispatch_b)
+    link_rows: int  # a bound of the rows any rank sends any other rank (same on every rank)
     num_tokens: int
     weights_dtype: torch.dtype
     ids_dtype: torch.dtype
@@ -64,7 +76,8 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
     ``counts_group`` (the EP group's gloo CPU group) when given, else ``groups[0]``: on a group
     of their own they do not wait behind the other micro-batch's payload on the same
     connections (two-batch overlap launches one while the other is in flight).
-    One instance serves one micro-batch; it keeps nothing shared with other instances."""
+    One instance serves one micro-batch (``tag``: its index, for the ragged messages); it keeps
+    nothing shared with other instances."""
 
     def __init__(
         self,
@@ -77,8 +90,11 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         dtype: torch.dtype,
         duplex_min_bytes: int = DUPLEX_MIN_BYTES,
         counts_group: ProcessGroup | None = None,
+        tag: int = 0,
     ):
         self.layout = EPLayout(ep_rank, ep_size, num_experts)
+        self.p2p = P2PExchange(groups, ep_rank, ep_size, tag) if supports_ragged(groups) else None
+        self._ragged: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
         self.counts_group = counts_group
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
@@ -100,6 +116,10 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         self._guard.enter("dispatch_a")
         check_inputs(self.fmt, hidden_states, topk_weights, topk_ids)
         dest, sends = self.layout.route(topk_ids)  # [T, k], [T, ep]
+        if self.p2p is not None and global_max_tokens is not None:
+            inputs = (hidden_states, topk_weights, topk_ids)
+            self._dispatch_ragged(*inputs, dest, sends, global_max_tokens)
+            return
         counts_work, matrix = self._launch_counts(sends.sum(dim=0))
         rank_idx, token_idx = sends.t().nonzero(as_tuple=True)  # [S], by rank then token
         payload = self._pack(hidden_states, topk_weights, topk_ids, dest, rank_idx, token_idx)
@@ -109,16 +129,32 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         self._pending = self.exchange.launch(
             self._recv, payload, recv_splits, send_splits, link_rows * self.fmt.row_bytes
         )
-        self._routed = _Routed(
-            token_idx,
-            send_splits,
-            recv_splits,
-            link_rows,
-            hidden_states.shape[0],
-            topk_weights.dtype,
-            topk_ids.dtype,
+        self._routed = self._route_info(hidden_states, topk_weights, topk_ids, token_idx,
+                                        send_splits, recv_splits, link_rows)  # fmt: skip
+
+    def _route_info(self, hidden, topk_weights, topk_ids, token_idx, send, recv, link) -> _Routed:
+        return _Routed(
+            token_idx, send, recv, link, hidden.shape[0], topk_weights.dtype, topk_ids.dtype,
             topk_ids,
-        )
+        )  # fmt: skip
+
+    def _dispatch_ragged(self, hidden, topk_weights, topk_ids, dest, sends, bound: int) -> None:
+        """Each peer's rows behind a header, one isend and one irecv of ``bound`` rows per
+        peer; the rows for this rank stay here."""
+        if hidden.shape[0] > bound:
+            raise ValueError(f"{hidden.shape[0]} tokens above the step's bound {bound}")
+        rank_idx, token_idx = sends.t().nonzero(as_tuple=True)  # [S], by rank then token
+        send_splits = sends.sum(dim=0).tolist()
+        rows = self._pack(hidden, topk_weights, topk_ids, dest, rank_idx, token_idx, headers=True)
+        starts = [sum(send_splits[:r]) + r * HEADER_ROWS for r in range(self.layout.ep_size)]
+        blocks = [rows[s : s + HEADER_ROWS + n] for s, n in zip(starts, send_splits)]
+        recvs = {p: rows.new_empty(HEADER_ROWS + bound, rows.shape[1]) for p in self.p2p.peers()}
+        me = self.layout.ep_rank
+        self._pending = self.p2p.launch({p: blocks[p] for p in recvs}, recvs)
+        self._ragged = (recvs, blocks[me])
+        self._send = rows  # alive until the sends are done
+        self._routed = self._route_info(hidden, topk_weights, topk_ids, token_idx, send_splits,
+                                        None, bound)  # fmt: skip
 
     def _launch_counts(self, send_counts: torch.Tensor):
         """Every rank sends its ``[ep]`` row counts to every rank, so all learn the whole
@@ -137,16 +173,32 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         me = self.layout.ep_rank
         return rows[me], [row[me] for row in rows], largest_link(rows)
 
-    def _pack(self, hidden, topk_weights, topk_ids, dest, rank_idx, token_idx) -> torch.Tensor:
-        rows = torch.empty(
-            token_idx.shape[0], self.fmt.row_bytes, dtype=torch.uint8, device=hidden.device
-        )  # [S, row_bytes]
+    def _pack(
+        self, hidden, topk_weights, topk_ids, dest, rank_idx, token_idx, headers: bool = False
+    ) -> torch.Tensor:
+        """``[S, row_bytes]`` rows by destination rank; with ``headers``, each rank's rows follow
+        a header row holding their count (``[S + ep, row_bytes]``)."""
+        ep, s = self.layout.ep_size, token_idx.shape[0]
+        n = s + (ep * HEADER_ROWS if headers else 0)
+        rows = torch.empty(n, self.fmt.row_bytes, dtype=torch.uint8, device=hidden.device)
         row_hidden, row_weights, row_ids = self.fmt.views(rows)
-        torch.index_select(hidden, 0, token_idx, out=row_hidden)  # straight into the rows
         local = dest[token_idx] == rank_idx[:, None]  # [S, k]
         weights, ids = mask_for_rank(topk_weights[token_idx], topk_ids[token_idx], local)
-        row_weights.copy_(weights)
-        row_ids.copy_(ids)
+        if not headers:
+            torch.index_select(hidden, 0, token_idx, out=row_hidden)  # straight into the rows
+            row_weights.copy_(weights)
+            row_ids.copy_(ids)
+            return rows
+        at = torch.arange(s, device=hidden.device) + (rank_idx + 1) * HEADER_ROWS  # [S]
+        source = torch.zeros(n, dtype=token_idx.dtype, device=hidden.device)
+        source[at] = token_idx  # header rows gather token 0 (overwritten below)
+        if hidden.shape[0]:
+            torch.index_select(hidden, 0, source, out=row_hidden)
+        row_weights.index_copy_(0, at, weights)
+        row_ids.index_copy_(0, at, ids)
+        counts = torch.bincount(rank_idx, minlength=ep)  # [ep]
+        header_at = torch.cumsum(counts, 0) - counts + torch.arange(ep, device=hidden.device)
+        write_headers(rows, header_at, counts)
         return rows
 
     def dispatch_b(self) -> DispatchOutput:
@@ -154,12 +206,27 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         of this call's own receive buffer (no copy, never reused)."""
         self._guard.enter("dispatch_b")
         self._pending.wait()
+        if self._ragged is not None:
+            self._recv = self._gather_ragged()
         hidden, weights, ids = self.fmt.views(self._recv)  # [R, H], [R, k], [R, k]
-        self._pending = self._recv = None
+        self._pending = self._recv = self._send = None
         routed = self._routed
         if self.blocked is not None:
             self.blocked.plan(routed.topk_ids, ids, routed.recv_splits, routed.link_rows)
         return DispatchOutput(hidden, weights.to(routed.weights_dtype), ids.to(routed.ids_dtype))
+
+    def _gather_ragged(self) -> torch.Tensor:
+        """The received rows, by source rank, without headers; fills in the receive splits."""
+        recvs, own = self._ragged
+        me, peers = self.layout.ep_rank, sorted(recvs)
+        counts = read_headers(torch.stack([recvs[p][0] for p in peers])) if peers else []
+        splits = dict(zip(peers, counts))
+        splits[me] = own.shape[0] - HEADER_ROWS
+        parts = [own[HEADER_ROWS:] if p == me else recvs[p][HEADER_ROWS : HEADER_ROWS + splits[p]]
+                 for p in range(self.layout.ep_size)]  # fmt: skip
+        self._ragged = None
+        self._routed = self._routed._replace(recv_splits=[splits[p] for p in sorted(splits)])
+        return torch.cat(parts)
 
     def combine_a(self, expert_output: torch.Tensor) -> None:
         self._guard.enter("combine_a")

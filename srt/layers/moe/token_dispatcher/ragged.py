@@ -1,0 +1,76 @@
+"""Ragged exchanges on gloo: each rank sends each peer only its valid rows, and nobody waits
+for a count before its payload leaves.
+
+gloo's point-to-point receive accepts a message shorter than the buffer it was posted with.
+So a sender puts the number of rows in a header row ahead of them and posts one ``isend`` per
+peer, while the receiver posts one ``irecv`` per peer with room for an upper bound of rows that
+both sides know without talking (the most tokens any rank dispatches this step, which the MLP
+sync already told every rank; or the low_latency capacity), and reads the real counts from the
+headers once the data is in. The launch half of a dispatch therefore never waits for the
+network, and only valid rows cross a link (DeepEP's low-latency kernels likewise write only the
+rows each expert receives into fixed-size slots).
+
+Directions: messages from a lower to a higher rank go on ``groups[0]``, the others on
+``groups[-1]``, so with two groups each group's connection carries one direction and both
+directions of a link stream at once (see ``torch_a2a``).
+
+nccl has no such receive (sizes must match), so CUDA keeps exact sizes learnt from a count
+exchange (normal) and whole fixed blocks (low_latency).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from srt.layers.moe.token_dispatcher.torch_a2a import PendingWork
+
+HEADER_ROWS = 1  # row 0 of a message: its first 4 bytes hold the number of rows after it
+
+
+def supports_ragged(groups: Sequence[ProcessGroup]) -> bool:
+    return bool(groups) and all(dist.get_backend(g) == "gloo" for g in groups)
+
+
+def write_headers(rows: torch.Tensor, at: torch.Tensor, counts: torch.Tensor) -> None:
+    """Rows ``at`` of ``rows`` [n, row_bytes] uint8 become headers holding ``counts``."""
+    rows[at, :4] = counts.to(torch.int32).view(torch.uint8).view(-1, 4)
+
+
+def read_headers(headers: torch.Tensor) -> list[int]:
+    """The counts in ``headers`` [n, row_bytes] uint8 rows."""
+    return headers[:, :4].contiguous().view(torch.int32).flatten().tolist()
+
+
+class P2PExchange:
+    """One isend and one irecv per peer, on a tag of its own (one per micro-batch, so two
+    micro-batches' messages between the same ranks never match each other's).
+    ``bytes_sent``: what this rank has sent to its peers so far."""
+
+    def __init__(self, groups: Sequence[ProcessGroup], rank: int, size: int, tag: int = 0):
+        self.groups, self.rank, self.size, self.tag = tuple(groups), rank, size, tag
+        self.bytes_sent = 0
+
+    def peers(self) -> list[int]:
+        return [p for p in range(self.size) if p != self.rank]
+
+    def launch(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> PendingWork:
+        """``sends[p]``: the message for peer p; ``recvs[p]``: a buffer at least as large as
+        what p sends here. Receives are posted first: gloo writes a payload as soon as its
+        receiver is ready."""
+        works = [
+            dist.irecv(buf, group=self._group(peer, self.rank), group_src=peer, tag=self.tag)
+            for peer, buf in recvs.items()
+        ]
+        self.bytes_sent += sum(msg.nbytes for msg in sends.values())
+        works += [
+            dist.isend(msg, group=self._group(self.rank, peer), group_dst=peer, tag=self.tag)
+            for peer, msg in sends.items()
+        ]
+        return PendingWork(works)
+
+    def _group(self, src: int, dst: int) -> ProcessGroup:
+        return self.groups[0] if src < dst else self.groups[-1]
