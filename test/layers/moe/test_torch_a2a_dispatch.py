@@ -242,8 +242,8 @@ def _rows_to(ids: torch.Tensor, world: int) -> list[int]:
 
 
 def _check_ragged_bytes(rank: int, world: int, groups) -> None:
-    """On gloo a rank sends each peer a header and its valid rows only (low_latency: both ways;
-    normal: the dispatch, whose combine sizes are exact anyway)."""
+    """On gloo a rank sends each peer a header and its valid rows, and gets exactly those rows'
+    outputs back, in both modes."""
     ref, local = _experts(rank, world, HIDDEN, torch.float32)
     routings = [_routing("random", r, world, 5, HIDDEN, torch.float32) for r in range(world)]
     peers = [p for p in range(world) if p != rank]
@@ -254,9 +254,9 @@ def _check_ragged_bytes(rank: int, world: int, groups) -> None:
         out = _through(dispatcher, local, routings[rank], True, bound=MAX_TOKENS)
         _assert_matches(out, ref, routings[rank])
         expected = sum((1 + sent[p]) * dispatcher.fmt.row_bytes for p in peers)
-        if mode == "low_latency":
-            expected += sum(received[p] * dispatcher.fmt.hidden_bytes for p in peers)
-        assert dispatcher.p2p.bytes_sent == expected, (mode, dispatcher.p2p.bytes_sent, expected)
+        expected += sum(received[p] * dispatcher.fmt.hidden_bytes for p in peers)
+        sent_bytes = dispatcher.p2p.bytes_sent + dispatcher.p2p_back.bytes_sent
+        assert sent_bytes == expected, (mode, sent_bytes, expected)
 
 
 def _check_construction(rank: int, world: int, groups) -> None:

@@ -39,9 +39,8 @@ from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.ragged import (
     HEADER_ROWS,
-    P2PExchange,
+    exchanges,
     read_headers,
-    supports_ragged,
     write_headers,
 )
 from srt.layers.moe.token_dispatcher.torch_a2a import (
@@ -92,8 +91,9 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
         self.capacity = max_dispatch_tokens_per_rank
-        self.p2p = P2PExchange(groups, ep_rank, ep_size, tag) if supports_ragged(groups) else None
+        self.p2p, self.p2p_back = exchanges(groups, ep_rank, ep_size, tag)
         self._counts: tuple[list[int], list[int]] | None = None  # ragged: (sent, received) rows
+        self._back: PendingWork | None = None  # the combine's receives, posted at dispatch
         self._guard = PhaseGuard()
         self._slots: _Slots | None = None
         self._pending: PendingWork | None = None
@@ -153,6 +153,9 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self._pending = self.p2p.launch({p: sends[p] for p in recvs}, recvs)
         self._recv_buf[me * c1 : me * c1 + sends[me].shape[0]].copy_(sends[me])
         self._counts = (counts, [])
+        if self.blocked is None:  # the combine's receives, posted now (see ``ragged``)
+            back = self._blocks(self._combine_buf, self.capacity, counts)
+            self._back = self.p2p_back.launch({}, {p: back[p] for p in recvs if counts[p]})
 
     def _check_capacity(self, num_tokens: int, counts: torch.Tensor) -> None:
         if num_tokens <= self.capacity:
@@ -237,16 +240,19 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         back = self._blocks(self._send, c, received)
         recvs = self._blocks(self._combine_buf, c, sent)
         peers = self.p2p.peers()  # both sides skip an empty message (gloo sends no 0 bytes)
-        self._pending = self.p2p.launch(
-            {p: back[p] for p in peers if received[p]}, {p: recvs[p] for p in peers if sent[p]}
-        )
+        sends = {p: back[p] for p in peers if received[p]}
+        if self._back is not None:  # receives posted at dispatch
+            self._pending = PendingWork(self._back.works + self.p2p_back.launch(sends, {}).works)
+        else:
+            recv = {p: recvs[p] for p in peers if sent[p]}
+            self._pending = self.p2p_back.launch(sends, recv)
         recvs[me].copy_(back[me])
-        self._counts = None
+        self._counts = self._back = None
 
     def combine_b(self) -> torch.Tensor:
         self._guard.enter("combine_b")
         if self.overlap_args is not None:
-            self._slots = self._counts = None
+            self._slots = self._counts = self._back = None
             return self.blocked.finish()
         self._pending.wait()
         slots, ep, h = self._slots, self.layout.ep_size, self.fmt.hidden_size

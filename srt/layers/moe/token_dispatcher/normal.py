@@ -37,9 +37,9 @@ from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.ragged import (
     HEADER_ROWS,
-    P2PExchange,
+    exchanges,
     read_headers,
-    supports_ragged,
+    split_rows,
     write_headers,
 )
 from srt.layers.moe.token_dispatcher.torch_a2a import (
@@ -93,8 +93,9 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         tag: int = 0,
     ):
         self.layout = EPLayout(ep_rank, ep_size, num_experts)
-        self.p2p = P2PExchange(groups, ep_rank, ep_size, tag) if supports_ragged(groups) else None
+        self.p2p, self.p2p_back = exchanges(groups, ep_rank, ep_size, tag)
         self._ragged: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None
+        self._back: tuple[torch.Tensor, PendingWork] | None = None  # combine receives posted
         self.counts_group = counts_group
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
@@ -146,13 +147,17 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         rank_idx, token_idx = sends.t().nonzero(as_tuple=True)  # [S], by rank then token
         send_splits = sends.sum(dim=0).tolist()
         rows = self._pack(hidden, topk_weights, topk_ids, dest, rank_idx, token_idx, headers=True)
-        starts = [sum(send_splits[:r]) + r * HEADER_ROWS for r in range(self.layout.ep_size)]
-        blocks = [rows[s : s + HEADER_ROWS + n] for s, n in zip(starts, send_splits)]
+        blocks = split_rows(rows, [HEADER_ROWS + n for n in send_splits])
         recvs = {p: rows.new_empty(HEADER_ROWS + bound, rows.shape[1]) for p in self.p2p.peers()}
         me = self.layout.ep_rank
         self._pending = self.p2p.launch({p: blocks[p] for p in recvs}, recvs)
         self._ragged = (recvs, blocks[me])
         self._send = rows  # alive until the sends are done
+        if self.blocked is None:  # the combine's receives, posted now (see ``ragged``)
+            back = hidden.new_empty(token_idx.shape[0], self.fmt.hidden_size)  # [S, H]
+            parts = split_rows(back, send_splits)
+            posted = self.p2p_back.launch({}, {p: parts[p] for p in recvs if send_splits[p]})
+            self._back = (back, posted)
         self._routed = self._route_info(hidden, topk_weights, topk_ids, token_idx, send_splits,
                                         None, bound)  # fmt: skip
 
@@ -237,6 +242,10 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         if tuple(expert_output.shape) != expected:
             raise ValueError(f"expert_output {tuple(expert_output.shape)}, expected {expected}")
         send = expert_output.to(self.fmt.dtype).contiguous()
+        self._send = send  # kept alive until the exchange is done
+        if self._back is not None:
+            self._combine_ragged(send)
+            return
         self._recv = send.new_empty(sum(routed.send_splits), self.fmt.hidden_size)
         self._pending = self.exchange.launch(
             self._recv,
@@ -245,7 +254,15 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
             routed.recv_splits,
             routed.link_rows * self.fmt.hidden_bytes,
         )
-        self._send = send  # kept alive until the exchange is done
+
+    def _combine_ragged(self, send: torch.Tensor) -> None:
+        """Each peer's rows go back into the receive it posted at dispatch; ours are copied."""
+        (back, posted), routed, me = self._back, self._routed, self.layout.ep_rank
+        rows_from = split_rows(send, routed.recv_splits)  # [recv_splits[p], H] per source p
+        sends = {p: rows for p, rows in enumerate(rows_from) if p != me and rows.shape[0]}
+        sent = self.p2p_back.launch(sends, {})
+        split_rows(back, routed.send_splits)[me].copy_(rows_from[me])
+        self._recv, self._pending, self._back = back, PendingWork(posted.works + sent.works), None
 
     def combine_b(self) -> torch.Tensor:
         """Sums in the hidden dtype: a token gets at most ep_size contributions, and the

@@ -14,6 +14,12 @@ Directions: messages from a lower to a higher rank go on ``groups[0]``, the othe
 ``groups[-1]``, so with two groups each group's connection carries one direction and both
 directions of a link stream at once (see ``torch_a2a``).
 
+gloo moves a payload only once its receiver has posted the receive (a rendezvous: "ready to
+send", "ready to receive", then the bytes). A combine knows its sizes at dispatch time (each
+rank gets back exactly the rows it sent), so its receives are posted then, and the expert
+outputs leave the moment combine_a sends them instead of a rendezvous later, behind whatever
+else the link carries.
+
 nccl has no such receive (sizes must match), so CUDA keeps exact sizes learnt from a count
 exchange (normal) and whole fixed blocks (low_latency).
 """
@@ -31,8 +37,19 @@ from srt.layers.moe.token_dispatcher.torch_a2a import PendingWork
 HEADER_ROWS = 1  # row 0 of a message: its first 4 bytes hold the number of rows after it
 
 
-def supports_ragged(groups: Sequence[ProcessGroup]) -> bool:
-    return bool(groups) and all(dist.get_backend(g) == "gloo" for g in groups)
+def exchanges(groups: Sequence[ProcessGroup], rank: int, size: int, tag: int):
+    """(dispatch, combine) exchanges of one micro-batch on gloo, each with a tag of its own;
+    ``(None, None)`` elsewhere."""
+    if not (groups and all(dist.get_backend(g) == "gloo" for g in groups)):
+        return None, None
+    return P2PExchange(groups, rank, size, 2 * tag), P2PExchange(groups, rank, size, 2 * tag + 1)
+
+
+def split_rows(rows: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """``rows`` cut into consecutive blocks of ``sizes`` rows (plain slices: each may be
+    written in place)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [rows[s : s + n] for s, n in zip(starts, sizes)]
 
 
 def write_headers(rows: torch.Tensor, at: torch.Tensor, counts: torch.Tensor) -> None:
