@@ -84,7 +84,11 @@ def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> R
     if server_args.node_rank != 0:
         raise ValueError("launch_subprocesses runs on node 0; other nodes use run_follower_node")
     port_args = PortArgs.init_new(server_args)
-    schedulers = _start_schedulers(server_args, port_args)
+    try:
+        schedulers = _start_schedulers(server_args, port_args)
+    except BaseException:
+        _remove_ipc_dir(port_args)
+        raise
     children = list(schedulers)
     if server_args.enable_dp_attention:
         children.append(

@@ -72,6 +72,18 @@ def test_more_ranks_than_experts_is_refused(qwen3_moe_path):
         a.check_against_model(ModelConfig.from_server_args(a).hf_config)
 
 
+def test_layout_refused_at_launch_leaves_no_ipc_dir(qwen3_moe_path, monkeypatch, tmp_path):
+    """The model check runs after the IPC directory is made: a refusal must remove it."""
+    import tempfile
+
+    import srt
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ValueError, match="more ranks than experts"):
+        srt.Engine(model_path=qwen3_moe_path, tp_size=16, dp_size=16, enable_dp_attention=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_launch_server_exits_naming_the_flag(qwen3_moe_path):
     proc = subprocess.run(
         [sys.executable, "-m", "launch_server", "--model-path", qwen3_moe_path, "--tp", "4",
