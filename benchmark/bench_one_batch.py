@@ -51,7 +51,12 @@ from srt.utils.ipc import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_compare import compare_with_hf  # noqa: E402
-from op_timeline import comm_seconds, plot_layer, write_chrome_trace  # noqa: E402
+from op_timeline import (  # noqa: E402
+    comm_seconds,
+    matplotlib_missing,
+    plot_layer,
+    write_chrome_trace,
+)
 
 
 def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int, parallel=None):
@@ -183,6 +188,8 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     args = parser.parse_args()
     if args.model_path is None:
         args.model_path = default_model_path()
+    if args.profile and (missing := matplotlib_missing()):
+        parser.error(missing)
     if args.compare_overlap and not args.enable_single_batch_overlap:
         args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
     if args.compare_hf and args.tp_size > 1:

@@ -36,6 +36,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from make_random_model import make_mid_size_model  # noqa: E402
 from netns import create_cluster, exit_on_signals, format_selftest, link_selftest  # noqa: E402
+from op_timeline import matplotlib_missing  # noqa: E402
 
 DIST_PORT, HTTP_PORT = 29650, 30000
 # bench_one_batch measures the overlap itself: every step splits (thresholds 0). The servers
@@ -66,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="per benchmark command (s)")
     args = p.parse_args(argv)
+    if args.profile and (missing := matplotlib_missing()):
+        p.error(missing)
     if args.quick:
         args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
         args.num_prompts = min(args.num_prompts, 16)

@@ -94,18 +94,26 @@ def write_chrome_trace(path: Path, steps: dict[str, list[OpEvent]], rank: int = 
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
+def matplotlib_missing() -> str | None:
+    """Why ``--profile`` cannot draw its PNG timelines, or None; checked at start-up so that a
+    long run does not fail at its first picture."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"--profile needs matplotlib for the PNG timelines ({e}): pip install -e '.[bench]'"
+    return None
+
+
 def plot_layer(path: Path, steps: dict[str, list[OpEvent]], layer_id: int) -> None:
     """One subplot per step: the operations of ``layer_id`` per micro-batch, and the
     all-to-alls in flight, on a millisecond axis."""
-    try:
-        import matplotlib
+    if missing := matplotlib_missing():
+        raise SystemExit(missing)
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit(
-            f"--profile needs matplotlib for the PNG timeline ({e}): pip install -e '.[bench]'"
-        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(len(steps), 1, figsize=(13, 2.6 * len(steps)), squeeze=False)
     colors = plt.get_cmap("tab20").colors
     for ax, (label, events) in zip(axes[:, 0], steps.items()):

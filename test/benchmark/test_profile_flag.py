@@ -1,0 +1,48 @@
+"""``--profile`` of the emulated cluster and of bench_one_batch: refused at start-up, naming the
+missing extra, when matplotlib is not installed (not after minutes of benchmarking)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmark"
+
+
+@pytest.fixture(scope="module")
+def emulated_cluster():
+    spec = importlib.util.spec_from_file_location("emulated_cluster", BENCH / "emulated_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_without_matplotlib_is_refused_at_start(emulated_cluster, monkeypatch, capsys):
+    monkeypatch.setattr(emulated_cluster, "matplotlib_missing", lambda: "--profile needs X")
+    with pytest.raises(SystemExit) as exit_info:
+        emulated_cluster.parse_args(["--quick", "--profile", "/tmp/p"])
+    assert exit_info.value.code == 2
+    assert "--profile needs X" in capsys.readouterr().err
+    assert emulated_cluster.parse_args(["--quick"]).profile is None  # no --profile: no check
+
+
+def test_profile_with_matplotlib_is_taken(emulated_cluster, monkeypatch):
+    monkeypatch.setattr(emulated_cluster, "matplotlib_missing", lambda: None)
+    assert emulated_cluster.parse_args(["--profile", "/tmp/p"]).profile == "/tmp/p"
+
+
+def test_bench_one_batch_refuses_profile_without_matplotlib(emulated_cluster, monkeypatch, capsys):
+    import op_timeline  # importable: emulated_cluster put the benchmark directory on the path
+
+    monkeypatch.setattr(op_timeline, "matplotlib_missing", lambda: "--profile needs Y")
+    spec = importlib.util.spec_from_file_location("bench_one_batch", BENCH / "bench_one_batch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["bench_one_batch.py", "--model-path", "m", "--profile", "d"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args()
+    assert exit_info.value.code == 2
+    assert "--profile needs Y" in capsys.readouterr().err
