@@ -190,7 +190,9 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
         args.model_path = default_model_path()
     if args.profile and (missing := matplotlib_missing()):
         parser.error(missing)
-    if args.compare_overlap and not args.enable_single_batch_overlap:
+    if args.compare_overlap and args.overlap_mode in ("off", "auto"):
+        parser.error("--compare-overlap compares off with one fixed mode: tbo or sbo")
+    if args.compare_overlap and args.overlap_mode is None and not args.enable_single_batch_overlap:
         args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
     if args.compare_hf and args.tp_size > 1:
         parser.error("--compare-hf runs on one rank (--tp-size 1)")
@@ -201,9 +203,10 @@ def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, Se
     """The configurations one run measures: the given one, or overlap off and on."""
     if not args.compare_overlap:
         return {"": server_args}
-    kind = "sbo" if server_args.enable_single_batch_overlap else "tbo"
+    kind = server_args.overlap_mode
     off = dataclasses.replace(
         server_args,
+        overlap_mode="off",
         enable_two_batch_overlap=False,
         enable_single_batch_overlap=False,
         sbo_num_blocks=None,

@@ -30,6 +30,7 @@ MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
 DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
+OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "auto"]
 
 
 def _arg(group: str, help: str, **kwargs: Any) -> dict[str, Any]:
@@ -203,13 +204,23 @@ class ServerArgs:
             "few ports on HOST.",
         ),
     )
-    # Two-batch overlap
+    # Overlap of the MoE all-to-all
+    overlap_mode: str | None = field(
+        default=None,
+        metadata=_arg(
+            "overlap",
+            "off, tbo (two-batch overlap), sbo (single-batch overlap) or auto: each step runs "
+            "the one its measured cost predicts fastest (docs/overlap.md). Default: off, or "
+            "what --enable-two-batch-overlap / --enable-single-batch-overlap ask for.",
+            choices=OVERLAP_MODE_CHOICES,
+        ),
+    )
     enable_two_batch_overlap: bool = field(
         default=False,
         metadata=_arg(
             "overlap",
             "Split each batch in two micro-batches and interleave their MoE layers, so one "
-            "computes while the other's all-to-all is in flight.",
+            "computes while the other's all-to-all is in flight (--overlap-mode tbo).",
         ),
     )
     tbo_token_distribution_threshold: float = field(
@@ -220,16 +231,20 @@ class ServerArgs:
             "share of the tokens; in [0, 0.5], 0 turns the two-chunk split off.",
         ),
     )
-    tbo_decode_token_threshold: int = field(
-        default=32,
+    tbo_decode_token_threshold: int | None = field(
+        default=None,
         metadata=_arg(
-            "overlap", "Decode batches under this many tokens (per DP group) run unsplit; 0: all."
+            "overlap",
+            "Decode batches under this many tokens (per DP group) run unsplit; 0: all. "
+            "Default 32 with tbo; with auto, none (the cost model decides above a given one).",
         ),
     )
-    tbo_prefill_token_threshold: int = field(
-        default=512,
+    tbo_prefill_token_threshold: int | None = field(
+        default=None,
         metadata=_arg(
-            "overlap", "Prefill batches under this many tokens (per DP group) run unsplit; 0: all."
+            "overlap",
+            "Prefill batches under this many tokens (per DP group) run unsplit; 0: all. "
+            "Default 512 with tbo; with auto, none (the cost model decides above a given one).",
         ),
     )
     enable_single_batch_overlap: bool = field(
@@ -237,15 +252,15 @@ class ServerArgs:
         metadata=_arg(
             "overlap",
             "Inside one batch, launch the MoE combine block by block as the experts' "
-            "down-projections finish, and run shared experts while the dispatch is in flight. "
-            "Needs --moe-a2a-backend torch (any --deepep-mode); excludes two-batch overlap.",
+            "down-projections finish, and run shared experts while the dispatch is in flight "
+            "(--overlap-mode sbo). Needs --moe-a2a-backend torch (any --deepep-mode).",
         ),
     )
     sbo_num_blocks: int | None = field(
         default=None,
         metadata=_arg(
             "overlap",
-            "Blocks of local experts for --enable-single-batch-overlap's combine; default: "
+            "Blocks of local experts for single-batch overlap's combine; default: "
             "min(4, local experts).",
         ),
     )
@@ -253,7 +268,7 @@ class ServerArgs:
         default=None,
         metadata=_arg(
             "overlap",
-            "CUDA: SMs left to --enable-single-batch-overlap's combine (its nccl CTAs) while the "
+            "CUDA: SMs left to single-batch overlap's combine (its nccl CTAs) while the "
             "down-projection GEMMs run on the others; default 3, 32 on Blackwell.",
         ),
     )
@@ -425,6 +440,16 @@ class ServerArgs:
             self.moe_a2a_backend,
             self.ep_size,
         )
+
+    @property
+    def overlap_modes(self) -> tuple[str, ...]:
+        """The overlap modes steps may run: the chosen one, or under auto every one this layout
+        has an all-to-all for (``off`` first)."""
+        if self.overlap_mode != "auto":
+            return (self.overlap_mode,)
+        tbo = self.moe_a2a_backend != "none" or self.enable_dp_attention
+        sbo = self.moe_a2a_backend != "none" and self.tp_size > 1
+        return ("off", *(["tbo"] if tbo else []), *(["sbo"] if sbo else []))
 
     @property
     def enable_chunked_prefill(self) -> bool:

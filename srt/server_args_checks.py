@@ -76,6 +76,7 @@ def check_parallel(self: ServerArgs) -> None:
 
 
 def check_overlap(self: ServerArgs) -> None:
+    _resolve_overlap_mode(self)
     if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
         raise ValueError(
             f"--tbo-token-distribution-threshold {self.tbo_token_distribution_threshold}: "
@@ -84,40 +85,66 @@ def check_overlap(self: ServerArgs) -> None:
     for flag in ("tbo_decode_token_threshold", "tbo_prefill_token_threshold"):
         if getattr(self, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')}: must be ≥ 0")
-    if (
-        self.enable_two_batch_overlap
-        and self.moe_a2a_backend == "none"
-        and not self.enable_dp_attention
-    ):
+    no_a2a = self.moe_a2a_backend == "none"
+    if self.overlap_mode == "tbo" and no_a2a and not self.enable_dp_attention:
         raise ValueError(
             "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
             "torch, or --enable-dp-attention"
         )
+    if self.overlap_modes == ("off",) and self.overlap_mode == "auto":
+        raise ValueError(
+            "--overlap-mode auto: this layout has no all-to-all to overlap; set "
+            "--moe-a2a-backend torch (with --tp-size > 1), or --enable-dp-attention"
+        )
     _check_single_batch_overlap(self)
+
+
+def _resolve_overlap_mode(self: ServerArgs) -> None:
+    """--overlap-mode from itself or its two aliases; the aliases then mirror it. The TBO
+    thresholds default to 32 / 512 under tbo and to 0 (none) under auto."""
+    asked = [mode for mode, on in (("tbo", self.enable_two_batch_overlap),
+                                   ("sbo", self.enable_single_batch_overlap)) if on]  # fmt: skip
+    if len(asked) > 1:
+        raise ValueError(
+            "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
+            "other: choose one (or --overlap-mode auto, which picks per step)"
+        )
+    if self.overlap_mode is None:
+        self.overlap_mode = asked[0] if asked else "off"
+    choices = ("off", "tbo", "sbo", "auto")
+    if self.overlap_mode not in choices:
+        raise ValueError(f"--overlap-mode {self.overlap_mode!r}: must be one of {list(choices)}")
+    if asked and asked[0] != self.overlap_mode:
+        alias = "--enable-two-batch-overlap" if asked[0] == "tbo" else (
+            "--enable-single-batch-overlap")  # fmt: skip
+        raise ValueError(f"--overlap-mode {self.overlap_mode} and {alias}: choose one")
+    self.enable_two_batch_overlap = self.overlap_mode == "tbo"
+    self.enable_single_batch_overlap = self.overlap_mode == "sbo"
+    auto = self.overlap_mode == "auto"
+    if self.tbo_decode_token_threshold is None:
+        self.tbo_decode_token_threshold = 0 if auto else 32
+    if self.tbo_prefill_token_threshold is None:
+        self.tbo_prefill_token_threshold = 0 if auto else 512
 
 
 def _check_single_batch_overlap(self: ServerArgs) -> None:
     sms = self.sbo_communication_sms
+    sbo = "sbo" in self.overlap_modes
     for flag, value in (
         ("--sbo-num-blocks", self.sbo_num_blocks),
         ("--sbo-communication-sms", sms),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be ≥ 1")
-        if value is not None and not self.enable_single_batch_overlap:
-            raise ValueError(f"{flag} needs --enable-single-batch-overlap")
-    if not self.enable_single_batch_overlap:
-        return
+        if value is not None and not sbo:
+            raise ValueError(f"{flag} needs --overlap-mode sbo or auto (with an all-to-all)")
     if sms is not None and self.device != "cuda":
         raise ValueError(
             "--sbo-communication-sms splits a CUDA device's SMs; on CPU the combine runs in "
             "the communication library's threads (drop the flag)"
         )
-    if self.enable_two_batch_overlap:
-        raise ValueError(
-            "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
-            "other: choose one"
-        )
+    if self.overlap_mode != "sbo":
+        return
     if self.moe_a2a_backend == "none":
         raise ValueError(
             "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"

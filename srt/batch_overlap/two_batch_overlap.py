@@ -139,7 +139,7 @@ class TboConfig:
     @classmethod
     def from_server_args(cls, server_args) -> TboConfig:
         return cls(
-            server_args.enable_two_batch_overlap,
+            "tbo" in server_args.overlap_modes,  # fixed, or one of auto's choices
             server_args.tbo_decode_token_threshold,
             server_args.tbo_prefill_token_threshold,
             server_args.tbo_token_distribution_threshold,

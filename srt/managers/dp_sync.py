@@ -9,6 +9,7 @@ collectives line up.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -58,6 +59,7 @@ class DpSyncInfo:
     global_dp_buffer_len: int
     can_run_tbo: bool = False
     tbo_split_tokens: list[int] | None = None  # per group, its first micro-batch's tokens
+    max_extra: list[int] | None = None  # the elementwise max over ranks of their ``extra``
 
     @property
     def all_idle(self) -> bool:
@@ -99,12 +101,16 @@ def dp_sync_info(group_rows: list[SyncRow], attn_tp_size: int) -> DpSyncInfo:
     )
 
 
-def sync_dp_batch(parallel: ParallelState, forward_batch: ForwardBatch | None) -> DpSyncInfo:
+def sync_dp_batch(
+    parallel: ParallelState, forward_batch: ForwardBatch | None, extra: Sequence[int] = ()
+) -> DpSyncInfo:
     """The MLP sync: one small all-gather over the world's gloo group. Every rank calls it every
     step, ``forward_batch`` None when its group has no batch. The ranks of an attention-TP group
-    must bring the same batch (checked)."""
-    gathered = all_gather_ints(parallel.world, list(SyncRow.of(forward_batch)))
-    rows = [SyncRow(*row) for row in gathered]
+    must bring the same batch (checked). ``extra``: ints of this rank's own that ride along
+    (the same count on every rank), maxed over ranks (the auto overlap's step measurement)."""
+    width = len(SyncRow._fields)
+    gathered = all_gather_ints(parallel.world, [*SyncRow.of(forward_batch), *extra])
+    rows = [SyncRow(*row[:width]) for row in gathered]
     size = parallel.attn_tp_size
     groups = [rows[d * size] for d in range(len(rows) // size)]
     for rank, row in enumerate(rows):
@@ -113,7 +119,10 @@ def sync_dp_batch(parallel: ParallelState, forward_batch: ForwardBatch | None) -
                 f"DP sync: rank {rank} brings batch {row} but its attention-TP group's first "
                 f"rank brings {groups[rank // size]}; the ranks of a group run one batch"
             )
-    return dp_sync_info(groups, size)
+    info = dp_sync_info(groups, size)
+    if extra:
+        info.max_extra = [max(column) for column in zip(*(row[width:] for row in gathered))]
+    return info
 
 
 def apply_dp_sync(forward_batch: ForwardBatch, info: DpSyncInfo) -> None:

@@ -39,6 +39,19 @@ class TokenizerMetrics:
         self.running = Gauge("srt:num_running_reqs", "Requests running", registry=r)
         self.queued = Gauge("srt:num_queue_reqs", "Requests waiting", registry=r)
         self.token_usage = Gauge("srt:token_usage", "Fraction of KV slots in use", registry=r)
+        self.overlap_steps = Gauge(
+            "srt:overlap_steps",
+            "--overlap-mode auto: steps run in each overlap mode, by step kind",
+            ["kind", "mode"],
+            registry=r,
+        )
+        self.overlap_estimate = Gauge(
+            "srt:overlap_step_seconds_estimate",
+            "--overlap-mode auto: the cost model's step time per kind, mode and token bucket "
+            "(tokens ≥ 2**bucket)",
+            ["kind", "mode", "bucket"],
+            registry=r,
+        )
 
     def observe(self, state: ReqState, out: BatchStrOutput, i: int, now: float) -> None:
         """Record one update of a request, before ``state.update`` applies it."""
@@ -65,4 +78,16 @@ class TokenizerMetrics:
         total = sum(s["max_total_num_tokens"] for s in internal_states)
         used = sum(s["token_usage"] * s["max_total_num_tokens"] for s in internal_states)
         self.token_usage.set(used / total)
+        self._render_overlap(internal_states[0].get("overlap", {}))
         return generate_latest(self.registry)
+
+    def _render_overlap(self, overlap: dict) -> None:
+        """Every rank's auto policy is the same (it sees the same numbers): the first's."""
+        for key, n in overlap.get("num_steps", {}).items():
+            kind, mode = key.split("/")
+            self.overlap_steps.labels(kind, mode).set(n)
+        for kind, modes in overlap.get("estimates", {}).items():
+            for mode, cells in modes.items():
+                for cell in cells:
+                    labels = (kind, mode, str(cell["bucket"]))
+                    self.overlap_estimate.labels(*labels).set(cell["seconds"])

@@ -347,6 +347,7 @@ class Scheduler:
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
             **self._overlap_step_counts(),
+            "overlap": self._overlap_info(),
             # Read by SGLang's benchmark clients.
             "dp_size": self.server_args.dp_size if self.enable_dp_attention else 1,
             "effective_max_running_requests_per_dp": self.max_running_requests,
@@ -357,6 +358,11 @@ class Scheduler:
                 "token_capacity": self.max_total_num_tokens,
             },
         }
+
+    def _overlap_info(self) -> dict:
+        """--overlap-mode, and under auto the policy's choices and cost model."""
+        overlap = getattr(self.model_runner, "step_overlap", None)
+        return overlap.info() if overlap else {"overlap_mode": self.server_args.overlap_mode}
 
     def _overlap_step_counts(self) -> dict:
         """Forwards run with and without two-batch overlap, and with single-batch overlap, by

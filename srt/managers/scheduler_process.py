@@ -157,7 +157,7 @@ def init_rank_parallel_state(
 
 def _sbo_combine_ctas(server_args: ServerArgs, tp_rank: int) -> int | None:
     """Single-batch overlap on CUDA: the SMs (nccl CTAs) its combine group may use."""
-    if not server_args.enable_single_batch_overlap:
+    if "sbo" not in server_args.overlap_modes:
         return None
     device = torch.device("cuda", tp_rank % torch.cuda.device_count())
     return SmSplit.for_device(device, server_args.sbo_communication_sms).communicate

@@ -96,6 +96,8 @@ class ForwardBatch:
     tbo_children: list[ForwardBatch] | None = None
     tbo_subbatch_index: int | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
+    # Single-batch overlap this step (``ModelRunner``: the same on every rank, idle ones too).
+    sbo: bool = False
 
     @classmethod
     def idle(

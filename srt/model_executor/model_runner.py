@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from srt.batch_overlap.operations import OperationObserver
+from srt.batch_overlap.step_overlap import StepOverlap
 from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
@@ -107,7 +108,9 @@ class ModelRunner:
         self.cpu_threads = CpuThreads.from_server_args(server_args, self.weight_bytes)
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
-        self.sbo = server_args.enable_single_batch_overlap
+        self.step_overlap = StepOverlap(
+            server_args.overlap_mode, server_args.overlap_modes, self.model.comm_meter, self.device
+        )
         self.dp_attention = server_args.enable_dp_attention
         self.last_dp_sync: DpSyncInfo | None = None  # DP attention: the last step's agreement
         self.num_idle_forward_steps = 0
@@ -191,9 +194,19 @@ class ModelRunner:
         attention none anywhere)."""
         if forward_batch is not None:
             self.plan_two_batch_overlap(forward_batch)
+        overlap = self.step_overlap
         if not self.dp_attention:
-            return None if forward_batch is None else self.forward(forward_batch)
-        info = self.last_dp_sync = sync_dp_batch(self.parallel, forward_batch)
+            if forward_batch is None:
+                return None
+            shared = overlap.share(self.parallel)
+            mode, tokens = forward_batch.forward_mode, forward_batch.num_tokens
+            if overlap.choose(mode, tokens, forward_batch.can_run_tbo, shared) != "tbo":
+                forward_batch.can_run_tbo = False
+            return self.forward(forward_batch)
+        info = self.last_dp_sync = sync_dp_batch(self.parallel, forward_batch, overlap.measurement)
+        mode, tokens = info.global_forward_mode, max(info.global_num_tokens)
+        if overlap.choose(mode, tokens, info.can_run_tbo, info.max_extra) != "tbo":
+            info.can_run_tbo, info.tbo_split_tokens = False, None
         if forward_batch is not None:
             apply_dp_sync(forward_batch, info)
             return self.forward(forward_batch)
@@ -209,10 +222,14 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:
             self.cpu_threads.apply(forward_batch.global_forward_mode or forward_batch.forward_mode)
+        forward_batch.sbo = self.step_overlap.mode == "sbo"
         self.attn_backend.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode.name.lower()
-        self.forward_step_counts[(forward_batch.can_run_tbo, self.sbo, mode)] += 1
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        self.forward_step_counts[(forward_batch.can_run_tbo, forward_batch.sbo, mode)] += 1
+        self.step_overlap.start()
+        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        self.step_overlap.finish()
+        return out
 
     def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every

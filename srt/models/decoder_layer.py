@@ -53,8 +53,8 @@ class MoEDecoderLayer(nn.Module):
         self.comm = ctx.communicator(
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
-        self.sbo = ctx.options.enable_single_batch_overlap
-        self._operations: dict[ForwardMode, list[OperationItem]] = {}  # built once per mode
+        # built once per (mode, single-batch overlap?)
+        self._operations: dict[tuple[ForwardMode, bool], list[OperationItem]] = {}
 
     @property
     def is_moe(self) -> bool:
@@ -85,11 +85,11 @@ class MoEDecoderLayer(nn.Module):
             raise KeyError(f"layer {type(self).__name__} has no operation {name!r}")
         return op
 
-    def get_operations(self, forward_mode: ForwardMode) -> list[OperationItem]:
-        if forward_mode not in self._operations:
-            ops = layer_operations(self, forward_mode, self.sbo).operations
-            self._operations[forward_mode] = ops
-        return self._operations[forward_mode]
+    def get_operations(self, forward_mode: ForwardMode, sbo: bool = False) -> list[OperationItem]:
+        key = (forward_mode, sbo)
+        if key not in self._operations:
+            self._operations[key] = layer_operations(self, forward_mode, sbo).operations
+        return self._operations[key]
 
     def forward(
         self,
@@ -101,7 +101,8 @@ class MoEDecoderLayer(nn.Module):
     ):
         state = LayerState(batch, positions)
         state.put(hidden_states=hidden_states, residual=residual)
-        execute_operations(state, self.get_operations(strategy_mode(batch)), observer)
+        ops = self.get_operations(strategy_mode(batch), batch.sbo)
+        execute_operations(state, ops, observer)
         return state.take_outputs("hidden_states", "residual")
 
 
@@ -167,6 +168,7 @@ class MoECausalLM(nn.Module):
         ctx = ModelContext(parallel, options)
         self.model = MoEModel(config, self.layer_cls, ctx)
         self.lm_head, self.logits_processor = ctx.lm_head(config.vocab_size, config.hidden_size)
+        self.comm_meter = ctx.comm_meter
         # A tied LM head shares the embedding's parameter when both have the same shard.
         self.shares_embedding = getattr(config, "tie_word_embeddings", False) and (
             not ctx.cross_dp_lm_head

@@ -31,7 +31,7 @@ from srt.layers.logits_processor import LogitsProcessor
 from srt.layers.mlp import GatedMLP
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
-from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -40,6 +40,10 @@ from srt.server_args import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 
 @dataclass(frozen=True)
 class ModelOptions:
+    """``enable_two_batch_overlap`` / ``enable_single_batch_overlap``: the model is built so
+    that steps may run that overlap (``--overlap-mode`` tbo / sbo, or auto for both); each
+    step says whether it does (``ForwardBatch.can_run_tbo`` / ``sbo``)."""
+
     deepep_mode: str = "auto"
     max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
     enable_dp_lm_head: bool = False
@@ -54,8 +58,8 @@ class ModelOptions:
             server_args.deepep_mode,
             server_args.max_dispatch_tokens_per_rank,
             server_args.enable_dp_lm_head,
-            server_args.enable_two_batch_overlap,
-            server_args.enable_single_batch_overlap,
+            "tbo" in server_args.overlap_modes,
+            "sbo" in server_args.overlap_modes,
             server_args.sbo_num_blocks,
             server_args.sbo_communication_sms,
         )
@@ -71,6 +75,7 @@ class ModelContext:
         self.parallel = parallel or ParallelState.single_rank()
         self.options = options or ModelOptions()
         self.dispatchers: list[TokenDispatcher] = []
+        self.comm_meter = CommMeter()  # the dispatchers' time, for --overlap-mode auto
         self._dispatcher_shape: tuple[int, int, int] | None = None
 
     @property
@@ -113,7 +118,9 @@ class ModelContext:
             tp = (0, 1) if self.a2a_backend != "none" else (p.tp_rank, p.tp_size)
             shared = GatedMLP(hidden_size, shared_intermediate_size, *tp)
         dispatchers = self._dispatchers(num_experts, topk_config.top_k, hidden_size)
-        return SparseMoeBlock(gate, experts, topk_config, dispatchers, shared, p.attn_tp_size)
+        return SparseMoeBlock(
+            gate, experts, topk_config, dispatchers, shared, p.attn_tp_size, self.comm_meter
+        )
 
     def _dispatchers(self, num_experts: int, top_k: int, hidden_size: int) -> list[TokenDispatcher]:
         shape = (num_experts, top_k, hidden_size)

@@ -115,6 +115,42 @@ def test_http_server_with_tbo(tiny_models, unsplit):
     assert chat.status_code == 200, chat.text
 
 
+def test_http_server_with_auto_overlap(tiny_models, unsplit):
+    """--overlap-mode auto: each step runs the overlap its measurements favour (exploring each
+    mode first), outputs equal the plain run's, every DP group's policy agrees, and
+    /get_server_info and /metrics show the choices and the estimates."""
+    args = (
+        "--tp", "2", "--dp", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
+        "--deepep-mode", "normal", "--overlap-mode", "auto", "--dtype", "float32",
+        "--max-total-tokens", "1024",
+    )  # fmt: skip
+    request = {
+        "input_ids": TWICE,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    with running_server(tiny_models["tiny-qwen3-moe"], *args) as server:
+        responses = [
+            httpx.post(server.url + "/generate", json=request, timeout=60.0) for _ in range(3)
+        ]
+        info = httpx.get(server.url + "/get_server_info", timeout=10.0).json()
+        metrics = httpx.get(server.url + "/metrics", timeout=10.0).text
+    for response in responses:
+        response.raise_for_status()
+        assert_same_outputs(response.json(), unsplit["qwen3-normal"], TOLERANCE)
+    overlaps = [state["overlap"] for state in info["internal_states"]]
+    assert all(overlap == overlaps[0] for overlap in overlaps), overlaps  # unanimous
+    overlap = overlaps[0]
+    assert overlap["overlap_mode"] == "auto" and overlap["modes"] == ["off", "tbo", "sbo"]
+    assert overlap["num_explored_steps"] > 0 and overlap["estimates"]["decode"]["off"]
+    assert {key.split("/")[1] for key in overlap["num_steps"]} >= {"off", "tbo"}, overlap
+    counts = info["internal_states"][0]
+    assert sum(counts["num_tbo_steps"].values()) > 0, counts
+    assert 'srt:overlap_steps{kind="decode",mode="off"}' in metrics
+    assert "srt:overlap_step_seconds_estimate{" in metrics
+
+
 def _run_scheduler(path: str, prefill_threshold: int, decode_threshold: int) -> dict:
     """Four prompts (40 tokens) added at once: one prefill step of 40 tokens, then two decode
     steps of 4; one rank with the torch all-to-all (EP of 1)."""

@@ -84,7 +84,7 @@ def test_invalid_sbo_flags(qwen3_moe_path, kwargs, message):
 
 @pytest.mark.parametrize("flag", ["sbo_num_blocks", "sbo_communication_sms"])
 def test_sbo_tuning_needs_sbo(qwen3_moe_path, flag):
-    with pytest.raises(ValueError, match="needs --enable-single-batch-overlap"):
+    with pytest.raises(ValueError, match="needs --overlap-mode sbo or auto"):
         ServerArgs(model_path=qwen3_moe_path, device="cpu", **{flag: 2})
 
 

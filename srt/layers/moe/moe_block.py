@@ -11,6 +11,7 @@ first, B the second, so their exchanges never share buffers); an unsplit batch u
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from srt.batch_overlap.operations import LayerState
 from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.linear import linear, pack_weight
 from srt.layers.moe.fused_moe import FusedMoE
-from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
 
 
@@ -59,6 +60,7 @@ class SparseMoeBlock(nn.Module):
         dispatchers: Sequence[TokenDispatcher],
         shared_experts: nn.Module | None = None,
         attn_tp_size: int = 1,
+        comm_meter: CommMeter | None = None,
     ):
         super().__init__()
         self.gate = gate
@@ -67,6 +69,7 @@ class SparseMoeBlock(nn.Module):
         self.topk_config = topk_config
         self.dispatchers = tuple(dispatchers)
         self.attn_tp_size = attn_tp_size  # each rank dispatches 1/attn_tp of its group's tokens
+        self.comm_meter = comm_meter or CommMeter()  # shared by a model's MoE layers
 
     def dispatcher(self, state: LayerState) -> TokenDispatcher:
         return self.dispatchers[state.batch.tbo_subbatch_index or 0]
@@ -83,17 +86,23 @@ class SparseMoeBlock(nn.Module):
     def op_dispatch_a(self, state: LayerState) -> None:
         hidden = state.get("mlp_input") if self.shared_experts else state.pop("mlp_input")
         weights, ids = state.pop("topk_output")
-        batch = state.batch
-        self.dispatcher(state).dispatch_a(
+        batch, meter = state.batch, self.comm_meter
+        meter.timed(
+            partial(
+                self.dispatcher(state).dispatch_a,
+                is_extend=batch.global_is_extend(),
+                global_max_tokens=max_chunk_tokens(batch, self.attn_tp_size),
+                blocked_combine=batch.sbo,
+            ),
             hidden,
             weights,
             ids,
-            is_extend=batch.global_is_extend(),
-            global_max_tokens=max_chunk_tokens(batch, self.attn_tp_size),
         )
 
     def op_dispatch_b(self, state: LayerState) -> None:
-        state.put(dispatch_output=self.dispatcher(state).dispatch_b())
+        out = self.comm_meter.timed(self.dispatcher(state).dispatch_b)
+        self.comm_meter.bytes += 2 * out.hidden_states.nbytes  # in, and back in the combine
+        state.put(dispatch_output=out)
 
     def op_experts(self, state: LayerState) -> None:
         """With single-batch overlap only the up-projections: the down-projections run block
@@ -109,14 +118,14 @@ class SparseMoeBlock(nn.Module):
     def op_combine_a(self, state: LayerState) -> None:
         dispatcher, out = self.dispatcher(state), state.pop("expert_output")
         if not isinstance(out, _BlockedExperts):
-            dispatcher.combine_a(out)
+            self.comm_meter.timed(dispatcher.combine_a, out)
             return
         dispatcher.combine_a_blocks(
             lambda index: self.experts.down_project_block(out.blocks, index, out.hidden_size)
         )
 
     def op_combine_b(self, state: LayerState) -> None:
-        state.put(routed_output=self.dispatcher(state).combine_b())
+        state.put(routed_output=self.comm_meter.timed(self.dispatcher(state).combine_b))
 
     def op_shared_experts(self, state: LayerState) -> None:
         state.put(shared_output=self.shared_experts(state.pop("mlp_input")))

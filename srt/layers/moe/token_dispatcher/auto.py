@@ -25,7 +25,14 @@ class TorchA2AAutoDispatcher(TokenDispatcher):
         self._active: TokenDispatcher | None = None
 
     def dispatch_a(
-        self, hidden_states, topk_weights, topk_ids, *, is_extend=None, global_max_tokens=None
+        self,
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        *,
+        is_extend=None,
+        global_max_tokens=None,
+        blocked_combine=None,
     ) -> None:
         if is_extend is None:
             raise ValueError("--deepep-mode auto needs is_extend (the global forward mode)")
@@ -34,7 +41,11 @@ class TorchA2AAutoDispatcher(TokenDispatcher):
         too_many = global_max_tokens is not None and global_max_tokens > self.low_latency.capacity
         self._active = self.normal if is_extend or too_many else self.low_latency
         self._active.dispatch_a(
-            hidden_states, topk_weights, topk_ids, global_max_tokens=global_max_tokens
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            global_max_tokens=global_max_tokens,
+            blocked_combine=blocked_combine,
         )
 
     @property

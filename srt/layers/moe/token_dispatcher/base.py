@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+import time
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -14,6 +16,34 @@ class DispatchOutput(NamedTuple):
     topk_ids: torch.Tensor  # [T_recv, topk], global ids (other ranks' experts are skipped)
 
 
+_T = TypeVar("_T")
+
+
+class CommMeter:
+    """Host seconds a model spends in its dispatchers' calls, and the bytes of the rows they
+    bring in (dispatch) and send back (combine), while ``enabled`` (``--overlap-mode auto``
+    measures each step's all-to-all with it). On CPU the calls block on the wire, so their time
+    is the all-to-all's exposed time; on CUDA they only enqueue (read the bytes there)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def timed(self, call: Callable[..., _T], *args) -> _T:
+        if not self.enabled:
+            return call(*args)
+        start = time.perf_counter()
+        out = call(*args)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def take(self) -> tuple[float, int]:
+        """The seconds and bytes since the last ``take``."""
+        out, self.seconds, self.bytes = (self.seconds, self.bytes), 0.0, 0
+        return out
+
+
 class TokenDispatcher(abc.ABC):
     """Every dispatcher splits each direction in a launch half (``_a``: start the exchange,
     return at once) and a wait half (``_b``: block until it is done), so the overlap
@@ -22,7 +52,9 @@ class TokenDispatcher(abc.ABC):
     ``dispatch_a``'s keyword arguments describe the step, identically on every EP rank, for
     dispatchers that choose their collectives per step (``auto``); the others ignore them:
     ``is_extend``, whether any DP group extends; ``global_max_tokens``, the most tokens any EP
-    rank dispatches in this step."""
+    rank dispatches in this step; ``blocked_combine``, whether this dispatch's combine goes
+    back block by block (single-batch overlap; None: whenever the dispatcher has a blocked
+    combine, True where it has none is an error)."""
 
     @abc.abstractmethod
     def dispatch_a(
@@ -33,6 +65,7 @@ class TokenDispatcher(abc.ABC):
         *,
         is_extend: bool | None = None,
         global_max_tokens: int | None = None,
+        blocked_combine: bool | None = None,
     ) -> None: ...
 
     @abc.abstractmethod

@@ -123,15 +123,22 @@ class BlockedCombine:
 
 class BlockedCombineDispatcher(TokenDispatcher):
     """A ``torch`` dispatcher that can combine block by block: single-batch overlap's entry
-    points. Subclasses own ``_guard`` (their PhaseGuard), plan ``blocked`` in ``dispatch_b``
-    when it is set, drop it in an unblocked ``combine_a`` and finish it in ``combine_b``."""
+    points. Subclasses own ``_guard`` (their PhaseGuard), call ``_select_blocked`` first in
+    ``dispatch_a``, plan ``blocked`` in ``dispatch_b`` when it is set, drop it in an unblocked
+    ``combine_a`` and finish it in ``combine_b``."""
 
-    blocked: BlockedCombine | None = None
+    blocked: BlockedCombine | None = None  # this dispatch's (None: an unblocked combine)
+    _blocked_combine: BlockedCombine | None = None  # the one attached, if any
     _guard: PhaseGuard
 
     def enable_blocked(self, blocked: BlockedCombine) -> None:
-        """Single-batch overlap: every dispatch plans a blocked combine."""
-        self.blocked = blocked
+        """Single-batch overlap: dispatches plan a blocked combine (unless one says not to)."""
+        self._blocked_combine = self.blocked = blocked
+
+    def _select_blocked(self, blocked_combine: bool | None) -> None:
+        if blocked_combine and self._blocked_combine is None:
+            raise RuntimeError("blocked_combine=True on a dispatcher without a blocked combine")
+        self.blocked = None if blocked_combine is False else self._blocked_combine
 
     @property
     def overlap_args(self) -> DownGemmOverlapArgs | None:

@@ -119,8 +119,10 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         *,
         is_extend: bool | None = None,
         global_max_tokens: int | None = None,
+        blocked_combine: bool | None = None,
     ) -> None:
         self._guard.enter("dispatch_a")
+        self._select_blocked(blocked_combine)
         check_inputs(self.fmt, hidden_states, topk_weights, topk_ids)
         ep, c = self.layout.ep_size, self.capacity
         dest, sends = self.layout.route(topk_ids)  # [T, k], [T, ep]

@@ -23,8 +23,17 @@ class StandardDispatcher(TokenDispatcher):
         return value
 
     def dispatch_a(
-        self, hidden_states, topk_weights, topk_ids, *, is_extend=None, global_max_tokens=None
+        self,
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        *,
+        is_extend=None,
+        global_max_tokens=None,
+        blocked_combine=None,
     ) -> None:
+        if blocked_combine:
+            raise RuntimeError("blocked_combine=True needs an all-to-all (--moe-a2a-backend)")
         self._put(DispatchOutput(hidden_states, topk_weights, topk_ids))
 
     def dispatch_b(self) -> DispatchOutput:

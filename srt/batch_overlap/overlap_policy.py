@@ -1,0 +1,186 @@
+"""``--overlap-mode auto``: the overlap of each step (off, two-batch or single-batch) chosen from
+measured cost.
+
+Whether an overlap pays depends on the link, the model, the engine and the batch: hiding an
+all-to-all costs extra compute (two passes over the expert weights for TBO, a combine in blocks
+for SBO), so on a fast link or a small batch the plain step wins. The cost model learns the
+step time of every mode from the steps it runs:
+
+- a sample is one step: its kind (prefill / decode), its mode, its tokens (the most any
+  attention-DP group brings, the size that decides a lock-step's time), its time and the time
+  its dispatchers spent in the all-to-all (both the slowest rank's, see below);
+- samples go to a cell per (kind, mode, power-of-two bucket of tokens), an exponentially
+  weighted mean of tokens, time and all-to-all time;
+- a mode's time at ``tokens`` is interpolated linearly between its cells' (tokens, time)
+  points, held flat below the first and extended along the last two above.
+
+``OverlapPolicy.choose`` then runs, for the coming step, among the modes it may run:
+- a mode never run in this bucket, once (exploration), unless the plain step spends less than
+  ``min_comm_share`` of its time in the all-to-all there: no overlap can win more than that;
+- otherwise the fastest prediction, with hysteresis: the bucket keeps its last mode unless
+  another is predicted faster by more than ``margin``;
+- every ``remeasure_every``-th step of a bucket, the other mode sampled longest ago, so
+  estimates stay true as lengths and load change (the same pruning as exploration).
+
+Every rank holds its own policy and must choose the same mode (the modes run different
+collectives). It does: the inputs are the same everywhere, since the tokens and the modes a
+step may run come from the MLP sync, and each step's measurement is the maximum over ranks
+(exchanged on the next step's sync, ``ModelRunner``), in whole microseconds. The policy holds
+no clock and no randomness, so the same measurements give the same choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("off", "tbo", "sbo")
+KINDS = ("prefill", "decode")
+
+
+def bucket_of(tokens: int) -> int:
+    """The power-of-two bucket: 0 for 1 token, 1 for 2–3, 2 for 4–7, ..."""
+    return max(0, int(tokens).bit_length() - 1)
+
+
+@dataclass
+class CostCell:
+    """Exponentially weighted means of one (kind, mode, bucket)."""
+
+    samples: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    comm_seconds: float = 0.0
+    last_step: int = -1  # the policy step of the last sample
+
+    def add(self, tokens: int, seconds: float, comm_seconds: float, alpha: float, step: int):
+        w = 1.0 if self.samples == 0 else alpha
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.comm_seconds += w * (comm_seconds - self.comm_seconds)
+        self.samples += 1
+        self.last_step = step
+
+
+class OverlapCostModel:
+    """Step time per (kind, mode) as a function of tokens (see the module docstring)."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.cells: dict[tuple[str, str, int], CostCell] = {}
+
+    def observe(
+        self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float, step: int
+    ) -> None:
+        cell = self.cells.setdefault((kind, mode, bucket_of(tokens)), CostCell())
+        cell.add(tokens, seconds, comm_seconds, self.alpha, step)
+
+    def cell(self, kind: str, mode: str, bucket: int) -> CostCell | None:
+        return self.cells.get((kind, mode, bucket))
+
+    def predict(self, kind: str, mode: str, tokens: int) -> float | None:
+        """Seconds of a ``mode`` step of ``tokens``; None when the mode never ran this kind."""
+        points = sorted(
+            (c.tokens, c.seconds) for (k, m, _), c in self.cells.items() if k == kind and m == mode
+        )
+        if not points:
+            return None
+        if tokens <= points[0][0]:
+            return points[0][1]
+        if len(points) == 1:
+            n, t = points[0]
+            return t * tokens / n  # one point above: proportional
+        upper = next((i for i, (n, _) in enumerate(points) if tokens <= n), len(points) - 1)
+        (n0, t0), (n1, t1) = points[max(upper, 1) - 1], points[max(upper, 1)]
+        if n1 <= n0:
+            return t1
+        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+
+    def comm_share(self, kind: str, tokens: int) -> float | None:
+        """The plain step's all-to-all share of its time in ``tokens``' bucket (None: not
+        measured)."""
+        cell = self.cell(kind, "off", bucket_of(tokens))
+        if cell is None or cell.seconds <= 0:
+            return None
+        return cell.comm_seconds / cell.seconds
+
+    def estimates(self) -> dict:
+        """``{kind: {mode: [{tokens, seconds, comm_seconds, samples}, ...]}}`` by bucket."""
+        out: dict = {}
+        for (kind, mode, bucket), c in sorted(self.cells.items()):
+            row = dict(bucket=bucket, tokens=round(c.tokens, 1), seconds=round(c.seconds, 6),
+                       comm_seconds=round(c.comm_seconds, 6), samples=c.samples)  # fmt: skip
+            out.setdefault(kind, {}).setdefault(mode, []).append(row)
+        return out
+
+
+@dataclass
+class OverlapPolicy:
+    """Chooses each step's overlap (see the module docstring). ``modes``: those the server is
+    built for, in order of preference on a tie (``off`` first)."""
+
+    modes: tuple[str, ...] = MODES
+    margin: float = 0.05
+    remeasure_every: int = 16
+    min_comm_share: float = 0.03
+    model: OverlapCostModel = field(default_factory=OverlapCostModel)
+    step: int = 0
+    current: dict[tuple[str, int], str] = field(default_factory=dict)  # by (kind, bucket)
+    visits: dict[tuple[str, int], int] = field(default_factory=dict)
+    step_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, mode) run
+    num_explored: int = 0  # steps run to measure a mode rather than because it was best
+
+    def __post_init__(self):
+        unknown = set(self.modes) - set(MODES)
+        if unknown or "off" not in self.modes:
+            raise ValueError(f"overlap modes {self.modes}: need 'off', and only {MODES}")
+
+    def choose(self, kind: str, tokens: int, allowed: set[str] | frozenset[str]) -> str:
+        """The mode of the coming step of ``kind`` and ``tokens``; ``allowed``: the modes this
+        step may run (``off`` always may; ``tbo`` only when the batch splits)."""
+        if kind not in KINDS:
+            raise ValueError(f"step kind {kind!r} is not one of {KINDS}")
+        self.step += 1
+        modes = [m for m in self.modes if m == "off" or m in allowed]
+        mode, explored = self._decide(kind, tokens, modes)
+        self.num_explored += explored
+        self.step_counts[(kind, mode)] = self.step_counts.get((kind, mode), 0) + 1
+        return mode
+
+    def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
+        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
+
+    def _decide(self, kind: str, tokens: int, modes: list[str]) -> tuple[str, bool]:
+        if len(modes) == 1:
+            return modes[0], False
+        bucket = bucket_of(tokens)
+        key = (kind, bucket)
+        visit = self.visits[key] = self.visits.get(key, 0) + 1
+        share = self.model.comm_share(kind, tokens)
+        worth_measuring = [m for m in modes if m == "off" or share is None
+                           or share >= self.min_comm_share]  # fmt: skip
+        unmeasured = [m for m in worth_measuring if self.model.cell(kind, m, bucket) is None]
+        if unmeasured:
+            return unmeasured[0], True
+        predicted = {m: self.model.predict(kind, m, tokens) for m in modes}
+        known = {m: t for m, t in predicted.items() if t is not None}
+        best = min(known, key=lambda m: (known[m], modes.index(m)))
+        current = self.current.get(key, best)
+        if current not in known or known[best] < known[current] * (1 - self.margin):
+            current = best
+        self.current[key] = current
+        if visit % self.remeasure_every == 0:
+            others = [m for m in worth_measuring if m != current]
+            if others:
+                return min(others, key=lambda m: self.model.cell(kind, m, bucket).last_step), True
+        return current, False
+
+    def info(self) -> dict:
+        """For ``/get_server_info``: steps per chosen mode, explorations, current choices and
+        the cost model's cells."""
+        return {
+            "modes": list(self.modes),
+            "num_steps": {f"{k}/{m}": n for (k, m), n in sorted(self.step_counts.items())},
+            "num_explored_steps": self.num_explored,
+            "current": {f"{k}/{b}": m for (k, b), m in sorted(self.current.items())},
+            "estimates": self.model.estimates(),
+        }

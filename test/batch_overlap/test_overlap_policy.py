@@ -1,0 +1,184 @@
+"""--overlap-mode auto's cost model and decisions on synthetic timings (no clock involved):
+exploration of each mode, the fastest prediction, hysteresis, re-measuring, pruning where the
+all-to-all is too small to hide, and the same choices on every rank fed the same numbers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from srt.batch_overlap.overlap_policy import OverlapCostModel, OverlapPolicy, bucket_of
+from srt.batch_overlap.step_overlap import StepOverlap
+from srt.layers.moe.token_dispatcher.base import CommMeter
+from srt.model_executor.forward_batch_info import ForwardMode
+from srt.server_args import ServerArgs
+
+ALL = {"off", "tbo", "sbo"}
+
+
+def run(policy: OverlapPolicy, kind: str, tokens: int, cost: dict, steps: int) -> list[str]:
+    """``steps`` steps whose time per mode is ``cost[mode]`` (comm: half of off's time)."""
+    chosen = []
+    for _ in range(steps):
+        mode = policy.choose(kind, tokens, ALL)
+        policy.observe(kind, mode, tokens, cost[mode], cost["off"] / 2)
+        chosen.append(mode)
+    return chosen
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 255, 256)] == [0, 0, 1, 1, 2, 2, 3, 7, 8]
+
+
+def test_prediction_interpolates_between_cells():
+    model = OverlapCostModel()
+    model.observe("decode", "off", 16, 0.010, 0.0, 1)
+    model.observe("decode", "off", 64, 0.040, 0.0, 2)
+    assert model.predict("decode", "tbo", 32) is None
+    assert model.predict("decode", "off", 8) == pytest.approx(0.010)  # flat below
+    assert model.predict("decode", "off", 40) == pytest.approx(0.025)  # between
+    assert model.predict("decode", "off", 128) == pytest.approx(0.080)  # along the last two
+    assert model.predict("prefill", "off", 16) is None  # kinds are separate
+
+
+def test_explores_each_mode_then_runs_the_fastest():
+    policy = OverlapPolicy(remeasure_every=1000)
+    chosen = run(policy, "decode", 256, {"off": 0.10, "tbo": 0.07, "sbo": 0.12}, 10)
+    assert chosen[:3] == ["off", "tbo", "sbo"]
+    assert chosen[3:] == ["tbo"] * 7
+    assert policy.num_explored == 3
+    assert policy.info()["num_steps"] == {"decode/off": 1, "decode/sbo": 1, "decode/tbo": 8}
+
+
+def test_each_bucket_and_kind_decides_on_its_own():
+    policy = OverlapPolicy(remeasure_every=1000)
+    run(policy, "decode", 256, {"off": 0.10, "tbo": 0.07, "sbo": 0.12}, 5)
+    small = run(policy, "decode", 8, {"off": 0.01, "tbo": 0.02, "sbo": 0.015}, 5)
+    prefill = run(policy, "prefill", 256, {"off": 0.5, "tbo": 0.6, "sbo": 0.4}, 5)
+    assert small[3:] == ["off", "off"] and prefill[3:] == ["sbo", "sbo"]
+    assert policy.choose("decode", 300, ALL) == "tbo"  # 256..511: the first bucket's choice
+
+
+def test_hysteresis_keeps_the_mode_within_the_margin():
+    policy = OverlapPolicy(modes=("off", "tbo"), margin=0.05, remeasure_every=1000)
+    run(policy, "decode", 100, {"off": 0.100, "tbo": 0.090}, 4)
+    assert policy.current[("decode", bucket_of(100))] == "tbo"
+    # off becomes 3 % faster than tbo: within the margin, tbo stays
+    chosen = run(policy, "decode", 100, {"off": 0.100, "tbo": 0.103}, 10)
+    assert set(chosen) == {"tbo"}
+    # ... 10 % faster: it switches, and stays
+    policy.observe("decode", "off", 100, 0.085, 0.04)
+    policy.observe("decode", "off", 100, 0.085, 0.04)
+    chosen = run(policy, "decode", 100, {"off": 0.085, "tbo": 0.103}, 5)
+    assert chosen == ["off"] * 5
+
+
+def test_remeasures_the_mode_sampled_longest_ago():
+    policy = OverlapPolicy(remeasure_every=4)
+    cost = {"off": 0.10, "tbo": 0.07, "sbo": 0.12}
+    chosen = run(policy, "decode", 64, cost, 12)
+    # visits 1-3 explore; every 4th visit re-measures: off (sampled at step 1), then sbo
+    assert chosen == ["off", "tbo", "sbo", "off", "tbo", "tbo", "tbo", "sbo",
+                      "tbo", "tbo", "tbo", "off"]  # fmt: skip
+    assert policy.num_explored == 6
+
+
+def test_remeasuring_follows_a_change():
+    policy = OverlapPolicy(modes=("off", "tbo"), remeasure_every=4)
+    run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07}, 8)
+    # the link got faster: tbo now loses; off, re-measured every 4th step, shows it
+    chosen = run(policy, "decode", 64, {"off": 0.05, "tbo": 0.07}, 32)
+    assert chosen[:3] == ["tbo"] * 3 and chosen[-8:].count("off") == 6  # 2 re-measure tbo
+    assert policy.current[("decode", bucket_of(64))] == "off"
+
+
+def test_overlap_is_not_tried_where_the_all_to_all_is_too_small():
+    policy = OverlapPolicy(min_comm_share=0.03, remeasure_every=4)
+    chosen = []
+    for _ in range(12):
+        mode = policy.choose("decode", 64, ALL)
+        policy.observe("decode", mode, 64, 0.10, 0.001)  # 1 % of the step in the all-to-all
+        chosen.append(mode)
+    assert chosen == ["off"] * 12 and policy.num_explored == 1
+
+
+def test_a_step_that_cannot_split_never_runs_tbo():
+    policy = OverlapPolicy(remeasure_every=2)
+    for _ in range(10):
+        mode = policy.choose("decode", 1, {"off", "sbo"})
+        assert mode != "tbo"
+        policy.observe("decode", mode, 1, 0.01, 0.005)
+    assert OverlapPolicy(modes=("off", "tbo")).choose("decode", 8, {"off", "sbo"}) == "off"
+
+
+def test_unknown_modes_and_kinds_are_refused():
+    with pytest.raises(ValueError, match="need 'off'"):
+        OverlapPolicy(modes=("tbo",))
+    with pytest.raises(ValueError, match="kind"):
+        OverlapPolicy().choose("verify", 8, ALL)
+
+
+def test_every_rank_chooses_the_same_from_the_shared_measurements():
+    """Two ranks measure differently; fed the max over both (as the MLP sync gives it), their
+    choices agree at every step, through explorations, switches and re-measures."""
+    rng = random.Random(0)
+    ranks = [StepOverlap("auto", ("off", "tbo", "sbo"), CommMeter(), torch.device("cpu"))
+             for _ in range(2)]  # fmt: skip
+    shared = None
+    for _ in range(300):
+        mode = ForwardMode.EXTEND if rng.random() < 0.2 else ForwardMode.DECODE
+        tokens, can_split = rng.choice([1, 8, 64, 300, 2048]), rng.random() < 0.8
+        chosen = {rank.choose(mode, tokens, can_split, shared) for rank in ranks}
+        assert len(chosen) == 1
+        local = [[rng.randrange(1000, 90000), rng.randrange(0, 40000)] for _ in ranks]
+        shared = [max(column) for column in zip(*local)]
+    infos = [rank.info() for rank in ranks]
+    assert infos[0] == infos[1] and infos[0]["num_explored_steps"] > 0
+    assert {key.split("/")[1] for key in infos[0]["num_steps"]} == {"off", "tbo", "sbo"}
+
+
+def test_a_fixed_mode_runs_on_every_step():
+    tbo = StepOverlap("tbo", ("tbo",), CommMeter(), torch.device("cpu"))
+    assert tbo.choose(ForwardMode.DECODE, 64, True, None) == "tbo"
+    assert tbo.choose(ForwardMode.DECODE, 64, False, None) == "off"  # cannot split
+    sbo = StepOverlap("sbo", ("sbo",), CommMeter(), torch.device("cpu"))
+    assert sbo.choose(ForwardMode.IDLE, 0, False, None) == "sbo"
+    assert tbo.measurement == [] and tbo.info() == {"overlap_mode": "tbo"}
+
+
+def make_args(**kwargs) -> ServerArgs:
+    return ServerArgs(model_path="unused", **kwargs)
+
+
+def test_overlap_mode_and_its_aliases():
+    a2a = dict(tp_size=2, moe_a2a_backend="torch")
+    assert make_args().overlap_mode == "off"
+    args = make_args(enable_two_batch_overlap=True, **a2a)
+    assert args.overlap_mode == "tbo" and args.tbo_decode_token_threshold == 32
+    args = make_args(overlap_mode="sbo", **a2a)
+    assert args.enable_single_batch_overlap and not args.enable_two_batch_overlap
+    args = make_args(overlap_mode="auto", **a2a)
+    assert args.overlap_modes == ("off", "tbo", "sbo")
+    assert (args.tbo_decode_token_threshold, args.tbo_prefill_token_threshold) == (0, 0)
+    explicit = make_args(overlap_mode="auto", tbo_decode_token_threshold=64, **a2a)
+    assert explicit.tbo_decode_token_threshold == 64  # an explicit threshold still bounds TBO
+    dp = dict(tp_size=2, dp_size=2, enable_dp_attention=True)
+    assert make_args(overlap_mode="auto", **dp).overlap_modes == ("off", "tbo")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(overlap_mode="auto"), "no all-to-all to overlap"),
+        (dict(overlap_mode="sbo", enable_two_batch_overlap=True, tp_size=2,
+              moe_a2a_backend="torch"), "--overlap-mode sbo and --enable-two-batch-overlap"),
+        (dict(overlap_mode="fast"), "must be one of"),
+        (dict(overlap_mode="auto", tp_size=2, dp_size=2, enable_dp_attention=True,
+              sbo_num_blocks=2), "--sbo-num-blocks needs --overlap-mode sbo or auto"),
+    ],
+)  # fmt: skip
+def test_overlap_mode_refusals(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_args(**kwargs)
