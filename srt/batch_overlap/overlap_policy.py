@@ -14,6 +14,8 @@ step time of every mode from the steps it runs:
 - a mode's time at ``tokens`` is interpolated linearly between its cells' (tokens, time)
   points, held flat below the first and extended along the last two above.
 
+At start-up (``calibration``) the server runs synthetic steps of every bucket up to its limits,
+each mode twice, so that the first requests already meet a measured model.
 ``OverlapPolicy.choose`` then runs, for the coming step, among the modes it may run:
 - a mode never run in this bucket, once (exploration), unless the plain step spends less than
   ``min_comm_share`` of its time in the all-to-all there: no overlap can win more than that;
@@ -128,6 +130,8 @@ class OverlapPolicy:
     visits: dict[tuple[str, int], int] = field(default_factory=dict)
     step_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, mode) run
     num_explored: int = 0  # steps run to measure a mode rather than because it was best
+    calibrating: bool = False  # start-up: each step runs the mode least sampled in its bucket
+    num_calibration_steps: int = 0
 
     def __post_init__(self):
         unknown = set(self.modes) - set(MODES)
@@ -141,6 +145,9 @@ class OverlapPolicy:
             raise ValueError(f"step kind {kind!r} is not one of {KINDS}")
         self.step += 1
         modes = [m for m in self.modes if m == "off" or m in allowed]
+        if self.calibrating:
+            self.num_calibration_steps += 1
+            return self._least_sampled(kind, tokens, modes)
         mode, explored = self._decide(kind, tokens, modes)
         self.num_explored += explored
         self.step_counts[(kind, mode)] = self.step_counts.get((kind, mode), 0) + 1
@@ -149,15 +156,22 @@ class OverlapPolicy:
     def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
         self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
 
+    def _worth_measuring(self, kind: str, tokens: int, modes: list[str]) -> list[str]:
+        share = self.model.comm_share(kind, tokens)
+        return [m for m in modes if m == "off" or share is None or share >= self.min_comm_share]
+
+    def _least_sampled(self, kind: str, tokens: int, modes: list[str]) -> str:
+        bucket = bucket_of(tokens)
+        samples = {m: (c.samples if (c := self.model.cell(kind, m, bucket)) else 0) for m in modes}
+        return min(self._worth_measuring(kind, tokens, modes), key=lambda m: samples[m])
+
     def _decide(self, kind: str, tokens: int, modes: list[str]) -> tuple[str, bool]:
         if len(modes) == 1:
             return modes[0], False
         bucket = bucket_of(tokens)
         key = (kind, bucket)
         visit = self.visits[key] = self.visits.get(key, 0) + 1
-        share = self.model.comm_share(kind, tokens)
-        worth_measuring = [m for m in modes if m == "off" or share is None
-                           or share >= self.min_comm_share]  # fmt: skip
+        worth_measuring = self._worth_measuring(kind, tokens, modes)
         unmeasured = [m for m in worth_measuring if self.model.cell(kind, m, bucket) is None]
         if unmeasured:
             return unmeasured[0], True
@@ -181,6 +195,7 @@ class OverlapPolicy:
             "modes": list(self.modes),
             "num_steps": {f"{k}/{m}": n for (k, m), n in sorted(self.step_counts.items())},
             "num_explored_steps": self.num_explored,
+            "num_calibration_steps": self.num_calibration_steps,
             "current": {f"{k}/{b}": m for (k, b), m in sorted(self.current.items())},
             "estimates": self.model.estimates(),
         }

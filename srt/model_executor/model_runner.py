@@ -22,6 +22,7 @@ from collections import Counter
 
 import torch
 
+from srt.batch_overlap.calibration import calibrate
 from srt.batch_overlap.operations import OperationObserver
 from srt.batch_overlap.step_overlap import StepOverlap
 from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
@@ -117,6 +118,8 @@ class ModelRunner:
         self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
+        if self.step_overlap.policy is not None:
+            calibrate(self)  # --overlap-mode auto: measure every mode before serving
 
     def set_operation_observer(self, observer: OperationObserver | None) -> None:
         """Wrap every layer operation in a profiler marker (and, with ``observer.record``,

@@ -116,9 +116,10 @@ def test_http_server_with_tbo(tiny_models, unsplit):
 
 
 def test_http_server_with_auto_overlap(tiny_models, unsplit):
-    """--overlap-mode auto: each step runs the overlap its measurements favour (exploring each
-    mode first), outputs equal the plain run's, every DP group's policy agrees, and
-    /get_server_info and /metrics show the choices and the estimates."""
+    """--overlap-mode auto: each step runs the overlap its measurements favour; outputs equal
+    the plain run's, every DP group's policy agrees, and /get_server_info and /metrics show
+    the choices and the estimates. (Which modes serving runs depends on this machine's timings:
+    test_auto_overlap_model forces every switch.)"""
     args = (
         "--tp", "2", "--dp", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
         "--deepep-mode", "normal", "--overlap-mode", "auto", "--dtype", "float32",
@@ -143,10 +144,12 @@ def test_http_server_with_auto_overlap(tiny_models, unsplit):
     assert all(overlap == overlaps[0] for overlap in overlaps), overlaps  # unanimous
     overlap = overlaps[0]
     assert overlap["overlap_mode"] == "auto" and overlap["modes"] == ["off", "tbo", "sbo"]
-    assert overlap["num_explored_steps"] > 0 and overlap["estimates"]["decode"]["off"]
-    assert {key.split("/")[1] for key in overlap["num_steps"]} >= {"off", "tbo"}, overlap
-    counts = info["internal_states"][0]
-    assert sum(counts["num_tbo_steps"].values()) > 0, counts
+    # calibrated at start-up: every step size it serves here was measured before
+    assert overlap["num_calibration_steps"] > 0 and overlap["estimates"]["decode"]["off"]
+    assert overlap["estimates"]["prefill"]["off"]
+    served = sum(overlap["num_steps"].values())
+    assert served == sum(n for key in ("num_tbo_steps", "num_non_tbo_steps")
+                         for n in info["internal_states"][0][key].values()), info  # fmt: skip
     assert 'srt:overlap_steps{kind="decode",mode="off"}' in metrics
     assert "srt:overlap_step_seconds_estimate{" in metrics
 

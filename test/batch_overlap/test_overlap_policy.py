@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from srt.batch_overlap.calibration import ladder
 from srt.batch_overlap.overlap_policy import OverlapCostModel, OverlapPolicy, bucket_of
 from srt.batch_overlap.step_overlap import StepOverlap
 from srt.layers.moe.token_dispatcher.base import CommMeter
@@ -182,3 +183,18 @@ def test_overlap_mode_and_its_aliases():
 def test_overlap_mode_refusals(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_args(**kwargs)
+
+
+def test_calibration_runs_each_mode_twice_per_size():
+    policy = OverlapPolicy(calibrating=True)
+    chosen = run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07, "sbo": 0.12}, 6)
+    assert sorted(chosen) == ["off", "off", "sbo", "sbo", "tbo", "tbo"]
+    assert policy.num_calibration_steps == 6 and policy.step_counts == {}
+    policy.calibrating = False
+    assert policy.choose("decode", 64, ALL) == "tbo"  # measured: no exploration left
+
+
+def test_calibration_ladder():
+    assert ladder(1, 6) == [1, 2, 4, 6] and ladder(1, 8) == [1, 2, 4, 8]
+    assert ladder(16, 2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert ladder(16, 8) == []

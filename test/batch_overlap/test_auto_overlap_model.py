@@ -1,0 +1,52 @@
+"""--overlap-mode auto is exact, model level: every rank replays the overlap script with overlap
+off and with auto, where the policy re-measures on every step (``remeasure_every`` 1, nothing
+pruned), so consecutive steps switch between off, TBO and SBO; log-probabilities agree with the
+plain run to 1e-5 (fp32), greedy tokens are identical, and all three modes ran. With and
+without DP attention (there the step measurements travel on their own all-gather)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.overlap_script import MODELS, assert_same, run_script, server_args
+from helpers.run_ranks import run_ranks
+
+from srt.distributed.parallel_state import init_parallel_state
+from srt.model_executor.model_runner import ModelRunner
+
+pytestmark = pytest.mark.slow  # starts processes
+
+
+def auto_worker(rank: int, n: int, init_method: str, dp: int, paths: dict) -> dict:
+    torch.set_num_threads(1)
+    parallel = init_parallel_state(n, rank, dp, dp > 1, "torch", "gloo", init_method)
+    try:
+        out = {}
+        for name, path in paths.items():
+            for mode in ("off", "auto"):
+                args = server_args(path, n, dp, "torch", deepep_mode="normal", overlap_mode=mode)
+                runner = ModelRunner(args, parallel=parallel)
+                policy = runner.step_overlap.policy
+                if policy is not None:
+                    policy.remeasure_every, policy.min_comm_share = 1, 0.0
+                out[name, mode] = run_script(runner, dp)[0]
+                out[name, mode, "counts"] = dict(runner.forward_step_counts)
+                out[name, mode, "info"] = runner.step_overlap.info()
+        return out
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.parametrize("dp", [2, 1], ids=["dp-attention", "no-dp-attention"])
+def test_auto_equals_plain(tiny_models, dp):
+    paths = {name: tiny_models[name] for name in MODELS[::2]}  # Qwen3-MoE, DeepSeek-V3
+    results = run_ranks(auto_worker, 2, dp, paths, timeout=240.0)
+    for rank, out in enumerate(results):
+        for name in paths:
+            assert_same(out[name, "auto"], out[name, "off"], f"{name} rank {rank}")
+            counts = out[name, "auto", "counts"]
+            ran = {"tbo" if tbo else "sbo" if sbo else "off" for tbo, sbo, _ in counts}
+            assert ran == {"off", "tbo", "sbo"}, counts
+            served = {key.split("/")[1] for key in out[name, "auto", "info"]["num_steps"]}
+            assert served == {"off", "tbo", "sbo"}, out[name, "auto", "info"]
+            assert out[name, "auto", "info"] == results[0][name, "auto", "info"]  # unanimous
