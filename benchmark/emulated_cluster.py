@@ -7,8 +7,9 @@ direction), then, with one rank per node pinned to its own core (``taskset``):
 - ``bench_one_batch.py --compare-overlap`` on every node (``--nnodes/--node-rank``), once for
   two-batch overlap and once for single-batch overlap: step latency off and on, prefill and
   decode, in one run each, and the share of the all-to-all time hidden;
-- ``python -m launch_server`` on every node (overlap off, TBO, SBO in turn), waits for node 0's
-  ``/health``, and runs ``bench_serving.py`` from inside node 0's namespace against it;
+- ``python -m launch_server`` on every node (overlap off, TBO, SBO and ``--overlap-mode auto``
+  in turn), waits for node 0's ``/health``, and runs ``bench_serving.py`` from inside node 0's
+  namespace against it (for auto it also keeps the policy's choices from /get_server_info);
 then stops every process and removes the namespaces and links, also on failure or Ctrl-C.
 Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OUT/step_time.png``.
 
@@ -17,8 +18,10 @@ Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OU
 
 ``--quick`` runs the 2-node point at the first rate with one repeat and a short serving run,
 and ends with ``summary: tbo_decode_speedup=… tbo_prefill_speedup=… sbo_decode_speedup=…
-hidden_fraction=…`` (throughput ratios over overlap off in the same run; the hidden fraction is
-TBO's, prefill and decode together: (T_off − T_on) / T_comm).
+hidden_fraction=… serving_auto_vs_off=… serving_auto_vs_best=…`` (throughput ratios over
+overlap off in the same run; the hidden fraction is TBO's, prefill and decode together:
+(T_off − T_on) / T_comm; the serving ratios are output tok/s of auto over off and over the best
+of off, TBO and SBO, without ``--no-serving``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per run")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
+    p.add_argument(
+        "--serving-runs", type=int, default=1,
+        help="bench_serving runs per server; the last is reported (the others warm it up)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", default=None, metavar="DIR", help="node 0's op timelines")
     p.add_argument("--out-dir", default=None)
@@ -135,7 +142,14 @@ SERVING_FLAGS = {
     "off": [],
     "tbo": ["--enable-two-batch-overlap"],
     "sbo": ["--enable-single-batch-overlap"],
+    "auto": ["--overlap-mode", "auto"],
 }
+
+
+def _node0_json(cluster, url: str) -> dict:
+    probe = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=10).read().decode())"
+    cmd = cluster.exec_argv(0, [sys.executable, "-c", probe])
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
 
 
 def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
@@ -164,12 +178,17 @@ def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
                  "--disable-tqdm", "--output-file", str(record)]  # fmt: skip
         log_path = out / f"bench_serving_{tag}_{mode}.log"
         with open(log_path, "w") as log:
-            rc = subprocess.run(
-                cluster.exec_argv(0, bench), stdout=log, stderr=log, timeout=args.timeout
-            ).returncode
-        if rc:
-            raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
-        return json.loads(record.read_text().splitlines()[-1])
+            for _ in range(args.serving_runs):
+                rc = subprocess.run(
+                    cluster.exec_argv(0, bench), stdout=log, stderr=log, timeout=args.timeout
+                ).returncode
+                if rc:
+                    raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
+        result = json.loads(record.read_text().splitlines()[-1])
+        if mode == "auto":  # what the policy chose, and its estimates (node 0, DP group 0)
+            info = _node0_json(cluster, base + "/get_server_info")
+            result["overlap"] = info["internal_states"][0]["overlap"]
+        return result
     finally:
         for s in servers:  # node 0 first: the others follow its lifetime
             if s.poll() is None:
@@ -199,7 +218,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
                           f"{row['decode_hidden_fraction']:.0%}", flush=True)  # fmt: skip
         if not args.no_serving:
             point["serving"] = {}
-            for mode in ("off", "tbo", "sbo"):
+            for mode in SERVING_FLAGS:
                 rec = run_serving(args, cluster, mode, out, tag)
                 point["serving"][mode] = rec
                 print(f"  serving {mode}: {rec['output_throughput']:.1f} output tok/s, "
@@ -218,12 +237,23 @@ def summary_line(point: dict, batch: int) -> str:
     keys = ("prefill_latency", "median_decode_latency")
     saved = sum(t_off[k] - t_on[k] for k in keys)
     comm = t_off["prefill_comm_seconds"] + t_off["decode_comm_seconds"]
-    return (
+    line = (
         f"summary: tbo_decode_speedup={t_on['decode_speedup']:.3f} "
         f"tbo_prefill_speedup={t_on['prefill_speedup']:.3f} "
         f"sbo_decode_speedup={s_on['decode_speedup']:.3f} "
         f"hidden_fraction={saved / comm if comm else float('nan'):.3f}"
     )
+    if "serving" in point:
+        vs_off, vs_best = serving_auto_ratios(point["serving"])
+        line += f" serving_auto_vs_off={vs_off:.3f} serving_auto_vs_best={vs_best:.3f}"
+    return line
+
+
+def serving_auto_ratios(serving: dict) -> tuple[float, float]:
+    """auto's output tok/s over off's, and over the best fixed mode's (off, TBO, SBO)."""
+    tput = {mode: rec["output_throughput"] for mode, rec in serving.items()}
+    best = max(tput[mode] for mode in ("off", "tbo", "sbo"))
+    return tput["auto"] / tput["off"], tput["auto"] / best
 
 
 def main(argv=None) -> None:

@@ -42,13 +42,15 @@ def markdown(points: list[dict]) -> str:
             )
     serving = [p for p in points if "serving" in p]
     if serving:
-        lines += ["", "| link | serving mode | output tok/s | total tok/s | mean TTFT (ms) |",
-                  "|---|---|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "| link | serving mode | output tok/s | total tok/s | mean TTFT (ms) "
+                  "| auto's steps |", "|---|---|---:|---:|---:|---|"]  # fmt: skip
         for point in serving:
             for mode, rec in point["serving"].items():
+                steps = rec.get("overlap", {}).get("num_steps", {})
+                chosen = ", ".join(f"{key} {n}" for key, n in steps.items())
                 lines.append(
                     f"| {point['rate']} | {mode} | {rec['output_throughput']:.1f} | "
-                    f"{rec['total_throughput']:.1f} | {rec['mean_ttft_ms']:.1f} |"
+                    f"{rec['total_throughput']:.1f} | {rec['mean_ttft_ms']:.1f} | {chosen} |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -85,7 +87,7 @@ def plot(points: list[dict], out: Path) -> None:
     fig.savefig(out / "step_time.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, key in (("off", "off"), ("TBO", "tbo"), ("SBO", "sbo")):
+    for mode, key in (("off", "off"), ("TBO", "tbo"), ("SBO", "sbo"), ("auto", "auto")):
         ys = [p.get("serving", {}).get(key, {}).get("output_throughput") for p in shaped]
         if all(y is not None for y in ys):
             ax.plot(xs, ys, "o-", label=mode)

@@ -6,9 +6,10 @@ Every rank runs the same ladder in the same order through ``ModelRunner.forward_
 DP attention each group brings its own synthetic batch of the same size, so the MLP sync and
 the collectives line up); the policy, in calibrating mode, runs each step in the mode least
 sampled in its bucket, so each rung runs every mode twice (or only the plain step where the
-all-to-all is too small a share to hide). Rungs: decode batches of 1, 2, 4, ... sequences up
-to --max-running-requests, each sequence 64 tokens long; prefills of 16, 32, ... tokens up to
---chunked-prefill-size (prompts of 128 tokens at most); both within half the KV pool. The
+all-to-all is too small a share to hide), and the second, warm, sample stands. Rungs, the
+largest first: prefills of 16, 32, ... tokens up to --chunked-prefill-size (prompts of 128
+tokens at most), then decode batches of 1, 2, 4, ... sequences up to --max-running-requests,
+each sequence 64 tokens long; both within half the KV pool. The
 slots and request rows are returned and both pools reset, and the runner's step counts
 cleared, so serving starts from the same state as without calibration.
 """
@@ -54,12 +55,11 @@ def calibrate(runner: ModelRunner) -> None:
     start = time.perf_counter()
     policy.calibrating = True
     try:
-        for n in decode:
-            for _ in range(STEPS_PER_RUNG):
-                _run(runner, ForwardMode.DECODE, n)
-        for n in prefill:
-            for _ in range(STEPS_PER_RUNG):
-                _run(runner, ForwardMode.EXTEND, n)
+        # the largest first: its buffers serve the rest
+        for mode, sizes in ((ForwardMode.EXTEND, prefill), (ForwardMode.DECODE, decode)):
+            for n in reversed(sizes):
+                for _ in range(STEPS_PER_RUNG):
+                    _run(runner, mode, n)
     finally:
         policy.calibrating = False
         runner.req_to_token_pool.clear()

@@ -71,10 +71,18 @@ class OverlapCostModel:
         self.cells: dict[tuple[str, str, int], CostCell] = {}
 
     def observe(
-        self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float, step: int
+        self,
+        kind: str,
+        mode: str,
+        tokens: int,
+        seconds: float,
+        comm_seconds: float,
+        step: int,
+        alpha: float | None = None,
     ) -> None:
+        """``alpha``: the new sample's weight (default ``self.alpha``; 1 replaces the cell)."""
         cell = self.cells.setdefault((kind, mode, bucket_of(tokens)), CostCell())
-        cell.add(tokens, seconds, comm_seconds, self.alpha, step)
+        cell.add(tokens, seconds, comm_seconds, self.alpha if alpha is None else alpha, step)
 
     def cell(self, kind: str, mode: str, bucket: int) -> CostCell | None:
         return self.cells.get((kind, mode, bucket))
@@ -154,7 +162,10 @@ class OverlapPolicy:
         return mode
 
     def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
-        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
+        """A step's measurement. While calibrating, a sample replaces its cell: the first run
+        of a size pays first-use costs (fresh pages) that serving steps no longer do."""
+        alpha = 1.0 if self.calibrating else None
+        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step, alpha)
 
     def _worth_measuring(self, kind: str, tokens: int, modes: list[str]) -> list[str]:
         share = self.model.comm_share(kind, tokens)

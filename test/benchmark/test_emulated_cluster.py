@@ -39,7 +39,7 @@ def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ sbo_decode_speedup=\S+ "
-        r"hidden_fraction=\S+",
+        r"hidden_fraction=\S+ serving_auto_vs_off=\S+ serving_auto_vs_best=\S+",
         summary,
     ), summary
     assert (tmp_path / "results.md").exists()
