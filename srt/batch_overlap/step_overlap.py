@@ -48,6 +48,7 @@ class StepOverlap:
         self._step: _Step | None = None  # the last forward's, until its measurement is shared
         self._measured = (0, 0)  # its microseconds: the step, the dispatchers' share
         self._start = 0.0
+        self.all_to_all = {"bytes": 0, "seconds": 0.0}  # this rank's, over the run (auto)
 
     @property
     def measurement(self) -> list[int]:
@@ -95,7 +96,9 @@ class StepOverlap:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time, not its launch
         seconds = time.perf_counter() - self._start
-        comm, _bytes = self.comm_meter.take()
+        comm, nbytes = self.comm_meter.take()
+        self.all_to_all["bytes"] += nbytes
+        self.all_to_all["seconds"] += comm
         self._measured = (round(seconds * _US), round(comm * _US))
 
     def info(self) -> dict:

@@ -360,9 +360,15 @@ class Scheduler:
         }
 
     def _overlap_info(self) -> dict:
-        """--overlap-mode, and under auto the policy's choices and cost model."""
+        """--overlap-mode, and under auto the policy's choices and cost model (the same on
+        every rank) and this rank's all-to-all bytes and seconds since start-up."""
         overlap = getattr(self.model_runner, "step_overlap", None)
-        return overlap.info() if overlap else {"overlap_mode": self.server_args.overlap_mode}
+        if overlap is None:
+            return {"overlap_mode": self.server_args.overlap_mode}
+        info = overlap.info()
+        if overlap.policy is not None:
+            info["all_to_all_this_rank"] = dict(overlap.all_to_all)
+        return info
 
     def _overlap_step_counts(self) -> dict:
         """Forwards run with and without two-batch overlap, and with single-batch overlap, by

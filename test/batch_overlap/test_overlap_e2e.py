@@ -141,6 +141,7 @@ def test_http_server_with_auto_overlap(tiny_models, unsplit):
         response.raise_for_status()
         assert_same_outputs(response.json(), unsplit["qwen3-normal"], TOLERANCE)
     overlaps = [state["overlap"] for state in info["internal_states"]]
+    assert all(overlap.pop("all_to_all_this_rank")["bytes"] > 0 for overlap in overlaps)
     assert all(overlap == overlaps[0] for overlap in overlaps), overlaps  # unanimous
     overlap = overlaps[0]
     assert overlap["overlap_mode"] == "auto" and overlap["modes"] == ["off", "tbo", "sbo"]
