@@ -5,8 +5,9 @@ single prefill and a dozen decode steps: no time to learn online).
 Every rank runs the same ladder in the same order through ``ModelRunner.forward_step`` (under
 DP attention each group brings its own synthetic batch of the same size, so the MLP sync and
 the collectives line up); the policy, in calibrating mode, runs each step in the mode least
-sampled in its bucket, so each rung runs every mode twice (or only the plain step where the
-all-to-all is too small a share to hide), and the second, warm, sample stands. Rungs, the
+sampled in its bucket, so each rung runs every mode three times (or only the plain step where
+the all-to-all is too small a share to hide), and the median stands (the first run of a size
+is cold, and other work on the machine adds outliers). Rungs, the
 largest first: prefills of 16, 32, ... tokens up to --chunked-prefill-size (prompts of 128
 tokens at most), then decode batches of 1, 2, 4, ... sequences up to --max-running-requests,
 each sequence 64 tokens long; both within half the KV pool. The
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STEPS_PER_RUNG = 6  # three modes, twice each
+STEPS_PER_RUNG = 9  # three modes, three times each
 DECODE_CONTEXT = 64  # tokens of context behind each synthetic decode token
 PROMPT_TOKENS = 128  # the longest synthetic prompt
 

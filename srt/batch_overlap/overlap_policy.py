@@ -11,11 +11,11 @@ step time of every mode from the steps it runs:
   its dispatchers spent in the all-to-all (both the slowest rank's, see below);
 - samples go to a cell per (kind, mode, power-of-two bucket of tokens), an exponentially
   weighted mean of tokens, time and all-to-all time;
-- a mode's time at ``tokens`` is interpolated linearly between its cells' (tokens, time)
-  points, held flat below the first and extended along the last two above.
+- a mode's time at ``tokens`` is read off a line fitted through its cells, weighted by their
+  closeness to ``tokens`` in buckets (``OverlapCostModel.predict``), held flat below the first.
 
 At start-up (``calibration``) the server runs synthetic steps of every bucket up to its limits,
-each mode twice, so that the first requests already meet a measured model.
+each mode three times (the median stands), so that the first requests meet a measured model.
 ``OverlapPolicy.choose`` then runs, for the coming step, among the modes it may run:
 - a mode never run in this bucket, once (exploration), unless the plain step spends less than
   ``min_comm_share`` of its time in the all-to-all there: no overlap can win more than that;
@@ -33,6 +33,7 @@ no clock and no randomness, so the same measurements give the same choices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MODES = ("off", "tbo", "sbo")
@@ -55,7 +56,12 @@ class CostCell:
     last_step: int = -1  # the policy step of the last sample
 
     def add(self, tokens: int, seconds: float, comm_seconds: float, alpha: float, step: int):
+        """A sample more; one far above the mean counts as twice the mean (a step that waited
+        for something else on the machine must not flip a choice on its own)."""
         w = 1.0 if self.samples == 0 else alpha
+        if self.samples and alpha < 1 and seconds > 2 * self.seconds:
+            comm_seconds *= 2 * self.seconds / seconds
+            seconds = 2 * self.seconds
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
         self.comm_seconds += w * (comm_seconds - self.comm_seconds)
@@ -88,22 +94,25 @@ class OverlapCostModel:
         return self.cells.get((kind, mode, bucket))
 
     def predict(self, kind: str, mode: str, tokens: int) -> float | None:
-        """Seconds of a ``mode`` step of ``tokens``; None when the mode never ran this kind."""
-        points = sorted(
-            (c.tokens, c.seconds) for (k, m, _), c in self.cells.items() if k == kind and m == mode
-        )
-        if not points:
+        """Seconds of a ``mode`` step of ``tokens``; None when the mode never ran this kind.
+        A line through the mode's cells, least squares weighted by closeness in buckets
+        (Gaussian, one bucket wide) and samples (up to 4): a noisy cell is smoothed by its
+        neighbours, a linear trend is followed exactly. Flat below the smallest cell."""
+        cells = [c for (k, m, _), c in self.cells.items() if k == kind and m == mode]
+        if not cells:
             return None
-        if tokens <= points[0][0]:
-            return points[0][1]
-        if len(points) == 1:
-            n, t = points[0]
-            return t * tokens / n  # one point above: proportional
-        upper = next((i for i, (n, _) in enumerate(points) if tokens <= n), len(points) - 1)
-        (n0, t0), (n1, t1) = points[max(upper, 1) - 1], points[max(upper, 1)]
-        if n1 <= n0:
-            return t1
-        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+        tokens = max(tokens, min(c.tokens for c in cells))
+        if len(cells) == 1:
+            return cells[0].seconds * tokens / cells[0].tokens  # proportional above
+        x = math.log2(tokens)
+        w = [math.exp(-((math.log2(c.tokens) - x) ** 2) / 2) * min(c.samples, 4) for c in cells]
+        total = sum(w)
+        mean_n = sum(wi * c.tokens for wi, c in zip(w, cells)) / total
+        mean_t = sum(wi * c.seconds for wi, c in zip(w, cells)) / total
+        sxx = sum(wi * (c.tokens - mean_n) ** 2 for wi, c in zip(w, cells))
+        sxy = sum(wi * (c.tokens - mean_n) * (c.seconds - mean_t) for wi, c in zip(w, cells))
+        slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0  # a step never gets faster with tokens
+        return mean_t + slope * (tokens - mean_n)
 
     def comm_share(self, kind: str, tokens: int) -> float | None:
         """The plain step's all-to-all share of its time in ``tokens``' bucket (None: not
@@ -140,6 +149,7 @@ class OverlapPolicy:
     num_explored: int = 0  # steps run to measure a mode rather than because it was best
     calibrating: bool = False  # start-up: each step runs the mode least sampled in its bucket
     num_calibration_steps: int = 0
+    _calibration: dict = field(default_factory=dict, repr=False)  # its samples, by cell
 
     def __post_init__(self):
         unknown = set(self.modes) - set(MODES)
@@ -162,10 +172,16 @@ class OverlapPolicy:
         return mode
 
     def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
-        """A step's measurement. While calibrating, a sample replaces its cell: the first run
-        of a size pays first-use costs (fresh pages) that serving steps no longer do."""
-        alpha = 1.0 if self.calibrating else None
-        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step, alpha)
+        """A step's measurement. While calibrating, the cell is the median sample so far (the
+        lower one of two): the first run of a size pays first-use costs (fresh pages) that
+        serving steps no longer do, and a shared machine adds outliers."""
+        if not self.calibrating:
+            self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
+            return
+        samples = self._calibration.setdefault((kind, mode, bucket_of(tokens)), [])
+        samples.append((seconds, comm_seconds, tokens))
+        seconds, comm_seconds, tokens = sorted(samples)[(len(samples) - 1) // 2]
+        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step, alpha=1.0)
 
     def _worth_measuring(self, kind: str, tokens: int, modes: list[str]) -> list[str]:
         share = self.model.comm_share(kind, tokens)

@@ -33,7 +33,7 @@ def test_buckets_are_powers_of_two():
     assert [bucket_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 255, 256)] == [0, 0, 1, 1, 2, 2, 3, 7, 8]
 
 
-def test_prediction_interpolates_between_cells():
+def test_prediction_follows_a_line_and_smooths_an_outlier():
     model = OverlapCostModel()
     model.observe("decode", "off", 16, 0.010, 0.0, 1)
     model.observe("decode", "off", 64, 0.040, 0.0, 2)
@@ -42,6 +42,9 @@ def test_prediction_interpolates_between_cells():
     assert model.predict("decode", "off", 40) == pytest.approx(0.025)  # between
     assert model.predict("decode", "off", 128) == pytest.approx(0.080)  # along the last two
     assert model.predict("prefill", "off", 16) is None  # kinds are separate
+    for n, t in ((8, 0.008), (16, 0.010), (32, 0.060), (64, 0.016), (128, 0.019)):
+        model.observe("prefill", "off", n, t, 0.0, 3)  # one noisy cell at 32 tokens
+    assert 0.013 < model.predict("prefill", "off", 32) < 0.035
 
 
 def test_explores_each_mode_then_runs_the_fastest():
@@ -185,11 +188,17 @@ def test_overlap_mode_refusals(kwargs, message):
         make_args(**kwargs)
 
 
-def test_calibration_runs_each_mode_twice_per_size():
+def test_calibration_runs_each_mode_three_times_and_keeps_the_median():
     policy = OverlapPolicy(calibrating=True)
-    chosen = run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07, "sbo": 0.12}, 6)
-    assert sorted(chosen) == ["off", "off", "sbo", "sbo", "tbo", "tbo"]
-    assert policy.num_calibration_steps == 6 and policy.step_counts == {}
+    chosen = []
+    for seconds in (0.30, 0.10, 0.07, 0.11, 0.08, 0.12, 0.09, 0.5, 0.13):  # cold, then noisy
+        mode = policy.choose("decode", 64, ALL)
+        policy.observe("decode", mode, 64, seconds, 0.05)
+        chosen.append(mode)
+    assert chosen == ["off", "tbo", "sbo"] * 3
+    assert policy.num_calibration_steps == 9 and policy.step_counts == {}
+    medians = {m: policy.model.cell("decode", m, bucket_of(64)).seconds for m in ALL}
+    assert medians == {"off": 0.11, "tbo": 0.10, "sbo": 0.12}
     policy.calibrating = False
     assert policy.choose("decode", 64, ALL) == "tbo"  # measured: no exploration left
 
@@ -198,3 +207,11 @@ def test_calibration_ladder():
     assert ladder(1, 6) == [1, 2, 4, 6] and ladder(1, 8) == [1, 2, 4, 8]
     assert ladder(16, 2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert ladder(16, 8) == []
+
+
+def test_one_outlier_moves_an_estimate_by_at_most_alpha():
+    model = OverlapCostModel(alpha=0.3)
+    model.observe("decode", "off", 64, 0.010, 0.004, 1)
+    model.observe("decode", "off", 64, 1.000, 0.400, 2)  # the machine was busy elsewhere
+    cell = model.cell("decode", "off", bucket_of(64))
+    assert cell.seconds == pytest.approx(0.013) and cell.comm_seconds == pytest.approx(0.0052)
