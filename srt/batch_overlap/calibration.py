@@ -5,13 +5,13 @@ single prefill and a dozen decode steps: no time to learn online).
 Every rank runs the same ladder in the same order through ``ModelRunner.forward_step`` (under
 DP attention each group brings its own synthetic batch of the same size, so the MLP sync and
 the collectives line up); the policy, in calibrating mode, runs each step in the mode least
-sampled in its bucket, so each rung runs every mode three times (or only the plain step where
-the all-to-all is too small a share to hide), and the median stands (the first run of a size
-is cold, and other work on the machine adds outliers). Rungs, the
-largest first: prefills of 16, 32, ... tokens up to --chunked-prefill-size (prompts of 128
-tokens at most), then decode batches of 1, 2, 4, ... sequences up to --max-running-requests,
-each sequence 64 tokens long; both within half the KV pool. The
-slots and request rows are returned and both pools reset, and the runner's step counts
+sampled in its bucket. Three passes over the ladder run each size in every mode three times (the
+plain step only where the all-to-all is too small a share to hide), and the median stands: the
+first run of a size is cold, and a burst of other work on the machine spoils at most one of
+the three, which lie a pass apart. Rungs, the largest first: prefills of 16, 32, ... tokens up
+to --chunked-prefill-size (prompts of 128 tokens at most), then decode batches of 1, 2, 4, ...
+sequences up to --max-running-requests, each sequence 64 tokens long; both within half the KV
+pool. The slots and request rows are returned, both pools reset and the runner's step counts
 cleared, so serving starts from the same state as without calibration.
 """
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STEPS_PER_RUNG = 9  # three modes, three times each
+PASSES = 3  # over the whole ladder, each mode once per size and pass
 DECODE_CONTEXT = 64  # tokens of context behind each synthetic decode token
 PROMPT_TOKENS = 128  # the longest synthetic prompt
 
@@ -56,11 +56,11 @@ def calibrate(runner: ModelRunner) -> None:
     start = time.perf_counter()
     policy.calibrating = True
     try:
-        # the largest first: its buffers serve the rest
-        for mode, sizes in ((ForwardMode.EXTEND, prefill), (ForwardMode.DECODE, decode)):
-            for n in reversed(sizes):
-                for _ in range(STEPS_PER_RUNG):
-                    _run(runner, mode, n)
+        for _ in range(PASSES):  # a burst of other work spoils one sample of a size, not all
+            for mode, sizes in ((ForwardMode.EXTEND, prefill), (ForwardMode.DECODE, decode)):
+                for n in reversed(sizes):  # the largest first: its buffers serve the rest
+                    for _ in policy.modes:
+                        _run(runner, mode, n)
     finally:
         policy.calibrating = False
         runner.req_to_token_pool.clear()
