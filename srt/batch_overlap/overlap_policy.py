@@ -11,8 +11,9 @@ step time of every mode from the steps it runs:
   its dispatchers spent in the all-to-all (both the slowest rank's, see below);
 - samples go to a cell per (kind, mode, power-of-two bucket of tokens), an exponentially
   weighted mean of tokens, time and all-to-all time;
-- a mode's time at ``tokens`` is read off a line fitted through its cells, weighted by their
-  closeness to ``tokens`` in buckets (``OverlapCostModel.predict``), held flat below the first.
+- a mode's time at ``tokens`` is its cell in that bucket, moved along a slope fitted through
+  its cells weighted by closeness in buckets; in a bucket without a cell, that line's value
+  (``OverlapCostModel.predict``); flat below the first cell.
 
 At start-up (``calibration``) the server runs synthetic steps of every bucket up to its limits,
 each mode three times (the median stands), so that the first requests meet a measured model.
@@ -20,7 +21,10 @@ each mode three times (the median stands), so that the first requests meet a mea
 - a mode never run in this bucket, once (exploration), unless the plain step spends less than
   ``min_comm_share`` of its time in the all-to-all there: no overlap can win more than that;
 - otherwise the fastest prediction, with hysteresis: the bucket keeps its last mode unless
-  another is predicted faster by more than ``margin``;
+  another is predicted faster by more than ``margin``; an overlap's prediction counts
+  ``off_preference`` more than the plain step's, so an overlap is entered only for a gain of
+  about 10 % and left as soon as the plain step is predicted faster (the plain step is the safe
+  choice when measurements are noisy and the modes close);
 - every ``remeasure_every``-th step of a bucket, the other mode sampled longest ago, so
   estimates stay true as lengths and load change (the same pruning as exploration).
 
@@ -95,13 +99,15 @@ class OverlapCostModel:
 
     def predict(self, kind: str, mode: str, tokens: int) -> float | None:
         """Seconds of a ``mode`` step of ``tokens``; None when the mode never ran this kind.
-        A line through the mode's cells, least squares weighted by closeness in buckets
-        (Gaussian, one bucket wide) and samples (up to 4): a noisy cell is smoothed by its
-        neighbours, a linear trend is followed exactly. Flat below the smallest cell."""
+        The cell of ``tokens``' bucket, moved along the mode's slope to ``tokens``; without
+        one, a line through the mode's cells. The slope and the line are least squares,
+        weighted by closeness in buckets (Gaussian, one bucket wide) and samples (up to 4), so
+        a noisy cell is smoothed by its neighbours. Flat below the smallest cell."""
         cells = [c for (k, m, _), c in self.cells.items() if k == kind and m == mode]
         if not cells:
             return None
         tokens = max(tokens, min(c.tokens for c in cells))
+        own = self.cells.get((kind, mode, bucket_of(tokens)))
         if len(cells) == 1:
             return cells[0].seconds * tokens / cells[0].tokens  # proportional above
         x = math.log2(tokens)
@@ -112,6 +118,8 @@ class OverlapCostModel:
         sxx = sum(wi * (c.tokens - mean_n) ** 2 for wi, c in zip(w, cells))
         sxy = sum(wi * (c.tokens - mean_n) * (c.seconds - mean_t) for wi, c in zip(w, cells))
         slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0  # a step never gets faster with tokens
+        if own is not None:
+            return max(0.0, own.seconds + slope * (tokens - own.tokens))
         return mean_t + slope * (tokens - mean_n)
 
     def comm_share(self, kind: str, tokens: int) -> float | None:
@@ -139,6 +147,7 @@ class OverlapPolicy:
 
     modes: tuple[str, ...] = MODES
     margin: float = 0.05
+    off_preference: float = 0.05  # an overlap's prediction counts this much more than off's
     remeasure_every: int = 16
     min_comm_share: float = 0.03
     model: OverlapCostModel = field(default_factory=OverlapCostModel)
@@ -203,9 +212,10 @@ class OverlapPolicy:
         if unmeasured:
             return unmeasured[0], True
         predicted = {m: self.model.predict(kind, m, tokens) for m in modes}
-        known = {m: t for m, t in predicted.items() if t is not None}
+        bias = {m: 1.0 if m == "off" else 1.0 + self.off_preference for m in modes}
+        known = {m: t * bias[m] for m, t in predicted.items() if t is not None}
         best = min(known, key=lambda m: (known[m], modes.index(m)))
-        current = self.current.get(key, best)
+        current = self.current.get(key, "off")  # a bucket starts from the plain step
         if current not in known or known[best] < known[current] * (1 - self.margin):
             current = best
         self.current[key] = current
