@@ -20,18 +20,18 @@ each mode three times (the median stands), so that the first requests meet a mea
 ``OverlapPolicy.choose`` then runs, for the coming step, among the modes it may run:
 - a mode never run in this bucket, once (exploration), unless the plain step spends less than
   ``min_comm_share`` of its time in the all-to-all there: no overlap can win more than that;
-- otherwise the fastest prediction, with hysteresis: the bucket keeps its last mode unless
-  another is predicted faster by more than ``margin``; an overlap's prediction counts
-  ``off_preference`` more than the plain step's, so an overlap is entered only for a gain of
-  about 10 % and left as soon as the plain step is predicted faster (the plain step is the safe
-  choice when measurements are noisy and the modes close);
+- otherwise the fastest prediction, with hysteresis: a bucket starts from the plain step and
+  keeps its mode unless another is predicted faster by more than ``margin``; an overlap's
+  prediction counts ``off_preference`` more than the plain step's, so an overlap is entered
+  only for a gain of about 10 % and left as soon as the plain step is predicted faster (the
+  plain step is the safe choice when measurements are noisy and the modes close);
 - every ``remeasure_every``-th step of a bucket, the other mode sampled longest ago, so
   estimates stay true as lengths and load change (the same pruning as exploration).
 
 Every rank holds its own policy and must choose the same mode (the modes run different
 collectives). It does: the inputs are the same everywhere, since the tokens and the modes a
 step may run come from the MLP sync, and each step's measurement is the maximum over ranks
-(exchanged on the next step's sync, ``ModelRunner``), in whole microseconds. The policy holds
+(exchanged on the next step's sync, ``step_overlap``), in whole microseconds. The policy holds
 no clock and no randomness, so the same measurements give the same choices.
 """
 
