@@ -14,6 +14,7 @@ from typing import Any
 
 from srt.server_args_checks import (
     check_gpus_per_node,
+    check_model_layout,
     check_overlap,
     check_parallel,
     low_latency_fit,
@@ -458,41 +459,7 @@ class ServerArgs:
     def check_against_model(self, hf_config: Any) -> None:
         """What needs the model's config: experts, heads and MLP sizes must split over the
         ranks. Raised at start-up, before any rank process starts."""
-        layout = self.parallel_config
-        flag = f"--tp-size {self.tp_size}"
-        num_experts = getattr(hf_config, "num_experts", None) or getattr(
-            hf_config, "n_routed_experts", None
-        )
-        if num_experts and self.tp_size > num_experts:
-            raise ValueError(f"{flag}: more ranks than experts ({num_experts})")
-        if num_experts and num_experts % layout.moe_ep_size:
-            raise ValueError(f"{flag}: {num_experts} experts do not split over the EP ranks")
-        sizes = {
-            "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
-            "moe_intermediate_size": getattr(hf_config, "moe_intermediate_size", None),
-            "intermediate_size": getattr(hf_config, "intermediate_size", None),
-        }
-        divisors = {"moe_intermediate_size": layout.moe_tp_size}
-        for name, size in sizes.items():
-            ranks = divisors.get(name, layout.attn_tp_size)
-            if size and size % ranks:
-                raise ValueError(f"{flag}: the model's {name} ({size}) is not divisible by {ranks}")
-        shared = (getattr(hf_config, "n_shared_experts", None) or 0) * (
-            sizes["moe_intermediate_size"] or 0
-        )
-        if shared and self.moe_a2a_backend == "none" and shared % self.tp_size:
-            # split over every rank (an all-to-all backend copies them to each rank instead)
-            raise ValueError(
-                f"{flag}: the shared experts' intermediate size ({shared}) is not divisible "
-                f"by {self.tp_size}"
-            )
-        kv_heads = getattr(hf_config, "num_key_value_heads", None)
-        attn_tp = layout.attn_tp_size
-        if kv_heads and kv_heads % attn_tp and attn_tp % kv_heads:
-            raise ValueError(
-                f"{flag}: the model's num_key_value_heads ({kv_heads}) neither divides nor is "
-                f"a multiple of the attention-TP size ({attn_tp})"
-            )
+        check_model_layout(self, hf_config)
 
     # ----------------------------------------------------------------------------------
     @staticmethod

@@ -1,11 +1,12 @@
-"""Start-up validation of the parallel layout and the overlap flags (SGLang's rules); every
+"""Start-up validation of the parallel layout, the overlap flags and the layout against the
+model (SGLang's rules); every
 error names its flags. Called once by ``ServerArgs.check_and_resolve``, which passes itself
 (some checks resolve values: ``ep_size``, DP attention off with one DP group)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
@@ -191,4 +192,44 @@ def check_gpus_per_node(self: ServerArgs) -> None:
             f"--tp-size {self.tp_size} over --nnodes {self.nnodes} puts "
             f"{self.num_ranks_per_node} ranks on this node, which has {gpus} CUDA device(s): "
             "nccl needs one GPU per rank (use --device cpu for more ranks)"
+        )
+
+
+def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
+    """What needs the model's config: experts, heads and MLP sizes must split over the
+    ranks. Raised at start-up, before any rank process starts."""
+    layout = self.parallel_config
+    flag = f"--tp-size {self.tp_size}"
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(
+        hf_config, "n_routed_experts", None
+    )
+    if num_experts and self.tp_size > num_experts:
+        raise ValueError(f"{flag}: more ranks than experts ({num_experts})")
+    if num_experts and num_experts % layout.moe_ep_size:
+        raise ValueError(f"{flag}: {num_experts} experts do not split over the EP ranks")
+    sizes = {
+        "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
+        "moe_intermediate_size": getattr(hf_config, "moe_intermediate_size", None),
+        "intermediate_size": getattr(hf_config, "intermediate_size", None),
+    }
+    divisors = {"moe_intermediate_size": layout.moe_tp_size}
+    for name, size in sizes.items():
+        ranks = divisors.get(name, layout.attn_tp_size)
+        if size and size % ranks:
+            raise ValueError(f"{flag}: the model's {name} ({size}) is not divisible by {ranks}")
+    shared = (getattr(hf_config, "n_shared_experts", None) or 0) * (
+        sizes["moe_intermediate_size"] or 0
+    )
+    if shared and self.moe_a2a_backend == "none" and shared % self.tp_size:
+        # split over every rank (an all-to-all backend copies them to each rank instead)
+        raise ValueError(
+            f"{flag}: the shared experts' intermediate size ({shared}) is not divisible "
+            f"by {self.tp_size}"
+        )
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    attn_tp = layout.attn_tp_size
+    if kv_heads and kv_heads % attn_tp and attn_tp % kv_heads:
+        raise ValueError(
+            f"{flag}: the model's num_key_value_heads ({kv_heads}) neither divides nor is "
+            f"a multiple of the attention-TP size ({attn_tp})"
         )
