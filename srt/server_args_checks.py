@@ -1,7 +1,7 @@
 """Start-up validation of the parallel layout, the overlap flags and the layout against the
-model (SGLang's rules); every
-error names its flags. Called once by ``ServerArgs.check_and_resolve``, which passes itself
-(some checks resolve values: ``ep_size``, DP attention off with one DP group)."""
+model (SGLang's rules); every error names its flags. Called once by
+``ServerArgs.check_and_resolve``, which passes itself (some checks resolve values: ``ep_size``,
+DP attention off with one DP group), and by ``ServerArgs.check_against_model``."""
 
 from __future__ import annotations
 
