@@ -12,25 +12,26 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.server_args_checks import (
+from srt.server_args_checks import (  # noqa: F401 (the choices are re-exported)
+    DEEPEP_MODE_CHOICES,
+    DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    GRAMMAR_BACKEND_CHOICES,
+    LOAD_BALANCE_CHOICES,
+    MOE_A2A_BACKEND_CHOICES,
+    SCHEDULE_POLICY_CHOICES,
+    TOOL_CALL_PARSER_CHOICES,
     check_gpus_per_node,
     check_model_layout,
     check_overlap,
     check_parallel,
+    check_ranges,
     low_latency_fit,
 )
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-DEVICE_CHOICES = ["auto", "cpu", "cuda"]
-SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
-GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
-TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
-MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
-DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
-DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
-LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
 OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "auto"]
 
 
@@ -299,6 +300,25 @@ class ServerArgs:
             "per attention-DP group runs first, so the first user does not pay first-use costs).",
         ),
     )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata=_arg(
+            "server",
+            "Requests a server holds beyond what its running batches take (--max-running-"
+            "requests per attention-DP group); a request over the bound gets 503 with "
+            "Retry-After at once, and /ready fails while it is reached. Default: 4x the "
+            "running batches' requests.",
+        ),
+    )
+    watchdog_timeout: float = field(
+        default=300.0,
+        metadata=_arg(
+            "server",
+            "Seconds a scheduler iteration (a forward step, or the collectives of an idle one) "
+            "may take; longer ends the server with an error naming the rank, the step and the "
+            "silent peers. Collectives time out after it too.",
+        ),
+    )
     tool_call_parser: str | None = field(
         default=None,
         metadata=_arg(
@@ -351,7 +371,7 @@ class ServerArgs:
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.1
         self._resolve_batch_limits()
-        self._check_ranges()
+        check_ranges(self)
         check_parallel(self)
         check_overlap(self)
         if self.device == "cuda":
@@ -369,62 +389,13 @@ class ServerArgs:
             self.chunked_prefill_size = chunk
         if self.max_running_requests is None:
             self.max_running_requests = running
+        if self.max_queued_requests is None:
+            self.max_queued_requests = 4 * self.max_running_requests * self.num_running_groups
 
-    def _check_ranges(self) -> None:
-        def require(ok: bool, flag: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
-
-        require(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
-        require(
-            self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
-            "tool_call_parser",
-            f"must be one of {TOOL_CALL_PARSER_CHOICES}",
-        )
-        max_whitespace = self.constrained_json_max_whitespace_cnt
-        require(
-            max_whitespace is None or max_whitespace > 0,
-            "constrained_json_max_whitespace_cnt",
-            "must be at least 1",
-        )
-        require(
-            self.max_total_tokens is None or self.max_total_tokens > 0,
-            "max_total_tokens",
-            "must be positive",
-        )
-        require(
-            self.max_running_requests is None or self.max_running_requests > 0,
-            "max_running_requests",
-            "must be positive",
-        )
-        require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
-        require(
-            self.cpu_decode_threads is None or self.cpu_decode_threads >= 1,
-            "cpu_decode_threads",
-            "must be ≥ 1",
-        )
-        require(
-            self.cpu_decode_threads is None or self.device == "cpu",
-            "cpu_decode_threads",
-            "applies to --device cpu only",
-        )
-        require(self.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
-        require(
-            self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,
-            "chunked_prefill_size",
-            "must be positive or -1",
-        )
-        require(
-            self.context_length is None or self.context_length > 1, "context_length", "must be > 1"
-        )
-        for name, choices in (
-            ("dtype", DTYPE_CHOICES),
-            ("kv_cache_dtype", DTYPE_CHOICES),
-            ("device", DEVICE_CHOICES[1:]),
-            ("schedule_policy", SCHEDULE_POLICY_CHOICES),
-            ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
-        ):
-            require(getattr(self, name) in choices, name, f"must be one of {choices}")
+    @property
+    def num_running_groups(self) -> int:
+        """Schedulers with a running batch of their own: the attention-DP groups."""
+        return max(1, self.dp_size) if self.enable_dp_attention else 1
 
     @property
     def num_ranks_per_node(self) -> int:

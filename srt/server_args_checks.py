@@ -12,10 +12,78 @@ if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.server_args")
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
+GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
+TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
+MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
+DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
+DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
+LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
 NO_DEEPEP = (
     "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
     "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
 )
+
+
+def check_ranges(self: ServerArgs) -> None:
+    """Values out of range or not among a flag's choices."""
+
+    def require(ok: bool, flag: str, msg: str) -> None:
+        if not ok:
+            raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
+
+    require(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+    require(
+        self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
+        "tool_call_parser",
+        f"must be one of {TOOL_CALL_PARSER_CHOICES}",
+    )
+    max_whitespace = self.constrained_json_max_whitespace_cnt
+    require(
+        max_whitespace is None or max_whitespace > 0,
+        "constrained_json_max_whitespace_cnt",
+        "must be at least 1",
+    )
+    require(
+        self.max_total_tokens is None or self.max_total_tokens > 0,
+        "max_total_tokens",
+        "must be positive",
+    )
+    require(
+        self.max_running_requests is None or self.max_running_requests > 0,
+        "max_running_requests",
+        "must be positive",
+    )
+    require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
+    require(self.max_queued_requests >= 0, "max_queued_requests", "must be ≥ 0")
+    require(self.watchdog_timeout > 0, "watchdog_timeout", "must be positive")
+    require(
+        self.cpu_decode_threads is None or self.cpu_decode_threads >= 1,
+        "cpu_decode_threads",
+        "must be ≥ 1",
+    )
+    require(
+        self.cpu_decode_threads is None or self.device == "cpu",
+        "cpu_decode_threads",
+        "applies to --device cpu only",
+    )
+    require(self.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
+    require(
+        self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,
+        "chunked_prefill_size",
+        "must be positive or -1",
+    )
+    require(self.context_length is None or self.context_length > 1, "context_length", "must be > 1")
+    for name, choices in (
+        ("dtype", DTYPE_CHOICES),
+        ("kv_cache_dtype", DTYPE_CHOICES),
+        ("device", DEVICE_CHOICES[1:]),
+        ("schedule_policy", SCHEDULE_POLICY_CHOICES),
+        ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
+    ):
+        require(getattr(self, name) in choices, name, f"must be one of {choices}")
 
 
 def low_latency_fit(self: ServerArgs) -> int:

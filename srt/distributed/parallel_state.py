@@ -293,15 +293,21 @@ def init_parallel_state(
     device: torch.device | str | None = None,
     timeout: timedelta | None = None,
     sbo_combine_ctas: int | None = None,
+    rendezvous_timeout: timedelta | None = None,
 ) -> ParallelState:
     """Initialise torch.distributed (unless already done) and build this rank's groups.
 
     ``backend``: "gloo" or "nccl"; None picks nccl when CUDA is available. ``init_method``: e.g.
-    ``tcp://127.0.0.1:PORT`` (None: torch's env:// default)."""
+    ``tcp://127.0.0.1:PORT`` (None: torch's env:// default). ``timeout`` bounds every
+    collective; ``rendezvous_timeout`` (default: ``timeout``) the wait for all ranks to join."""
     config = ParallelConfig(world_size, dp_size, enable_dp_attention, moe_a2a_backend, ep_size)
     owns_world = not dist.is_initialized()
     if owns_world:
-        _init_default_group(world_size, rank, backend, init_method, device, timeout)
+        _init_default_group(
+            world_size, rank, backend, init_method, device, rendezvous_timeout or timeout
+        )
+        if timeout is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, None)  # the world's collectives
     elif dist.get_rank() != rank:
         raise ValueError(f"rank {rank} != the initialised rank {dist.get_rank()}")
     try:

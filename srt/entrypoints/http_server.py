@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -17,12 +18,18 @@ from fastapi.responses import Response, StreamingResponse
 from srt import __version__
 from srt.entrypoints.launcher import launch_subprocesses, run_follower_node
 from srt.managers.io_struct import UNSUPPORTED_FIELDS, GenerateReqInput, is_unset
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer_manager import (
+    RETRY_AFTER_S,
+    ServerFailedError,
+    ServerOverloadedError,
+    TokenizerManager,
+)
 from srt.server_args import ServerArgs
 from srt.utils.logging import configure_logging
 from srt.utils.process import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's bound on /health_generate
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -30,7 +37,15 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 
 def error_response(message: str, status: int = 400) -> Response:
-    return json_response({"error": {"message": message, "code": status}}, status)
+    response = json_response({"error": {"message": message, "code": status}}, status)
+    if status == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+def server_error_response(error: Exception) -> Response:
+    """503 (with Retry-After) for a full queue, 500 for a failing server."""
+    return error_response(str(error), 503 if isinstance(error, ServerOverloadedError) else 500)
 
 
 def sse_line(obj: object) -> bytes:
@@ -66,8 +81,11 @@ async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: 
 
     async def lines() -> AsyncIterator[bytes]:
         yield sse_line(first)
-        async for out in gen:
-            yield sse_line(out)
+        try:
+            async for out in gen:
+                yield sse_line(out)
+        except ServerFailedError as e:  # the status line is sent already: report in the stream
+            yield sse_line({"error": {"message": str(e), "code": 500}})
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream")
@@ -78,13 +96,36 @@ def add_native_routes(
 ) -> None:
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: the process serves HTTP and no part of the server has failed."""
+        if tm.fatal_error is not None:
+            return error_response(tm.fatal_error, 500)
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: live, and room for another request (the port opens only once the model
+        is loaded and warm)."""
+        if tm.fatal_error is not None:
+            return error_response(tm.fatal_error, 500)
+        if (message := tm.overloaded_message()) is not None:
+            return error_response(message, 503)
+        return json_response({"status": "ready"})
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        """A one-token generation through every stage, within HEALTH_GENERATE_TIMEOUT_S."""
         obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1})
-        async for _ in tm.generate_request(obj):
-            pass
+
+        async def run() -> None:
+            async for _ in tm.generate_request(obj):
+                pass
+
+        try:
+            await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
+        except (ServerOverloadedError, ServerFailedError) as e:
+            return server_error_response(e)
+        except asyncio.TimeoutError:
+            return error_response(f"no token within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", 503)
         return Response(status_code=200)
 
     def model_info() -> dict:
@@ -153,6 +194,8 @@ def add_native_routes(
             return json_response(result)
         except (ValueError, TypeError) as e:
             return error_response(str(e))
+        except (ServerOverloadedError, ServerFailedError) as e:
+            return server_error_response(e)
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: dict) -> FastAPI:
@@ -171,7 +214,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, scheduler_info: di
 
         @app.middleware("http")
         async def check_api_key(request: Request, call_next):
-            if request.url.path != "/health" and request.headers.get("authorization") != expected:
+            public = request.url.path in ("/health", "/ready")
+            if not public and request.headers.get("authorization") != expected:
                 return error_response("Unauthorized: missing or wrong API key.", 401)
             return await call_next(request)
 

@@ -22,6 +22,7 @@ from srt.utils.ipc import PortArgs
 from srt.utils.process import Child, Watchdog, kill_children, start_child, wait_ready
 
 logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -115,8 +116,9 @@ def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> R
         raise
 
     def on_death(name: str) -> None:
-        tm.fatal_error = f"child process {name} died"
+        tm.fail(f"the server failed: child process {name} died")
         _remove_ipc_dir(port_args)
+        tm.wait_drained(DRAIN_TIMEOUT_S)  # the requests in flight get their error first
 
     watchdog = Watchdog(children, on_death, exit_process=exit_on_child_death)
     watchdog.start()

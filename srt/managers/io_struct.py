@@ -209,6 +209,14 @@ class GetInternalStateReqOutput:
 
 
 @dataclass
+class SchedulerFailure:
+    """Entry rank → tokenizer manager, just before the rank exits: why (a hung step, a lost
+    peer), so that the requests in flight end with that message."""
+
+    message: str
+
+
+@dataclass
 class WakeUp:
     """DP controller → the groups a request did not go to: leave the idle poll now, since the
     group that got it needs every rank in the next MLP-sync step."""

@@ -18,6 +18,9 @@ class TokenizerMetrics:
         self.prompt_tokens = Counter("srt:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("srt:generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("srt:num_requests", "Finished requests", registry=r)
+        self.rejected = Counter(
+            "srt:num_rejected_requests", "Requests refused with 503 (queue full)", registry=r
+        )
         self.ttft = Histogram(
             "srt:time_to_first_token_seconds",
             "Time to first token",

@@ -101,6 +101,7 @@ class Scheduler:
         self.output_processor = SchedulerOutputProcessor(self.tree_cache, self.tokenizer)
         self.num_retracted_reqs = 0
         self.num_forward_steps = 0
+        self.current_step = "start-up"  # what this rank is doing, for the watchdog
         self.enable_dp_attention = self.server_args.enable_dp_attention
         self.dp_rank = self.model_runner.parallel.attn_dp_rank
         # Decode tokens per second over the last GEN_THROUGHPUT_STEPS decode steps.
@@ -187,6 +188,7 @@ class Scheduler:
             outputs.append(out)  # never None: every request in it is finished
             self.finished_outside_batch = []
         batch = self.get_next_batch()
+        self.current_step = self._describe_step(batch)
         forward_batch = batch.to_forward_batch(self.model_runner) if batch is not None else None
         logits_output = self.model_runner.forward_step(forward_batch)
         if batch is not None:
@@ -198,6 +200,15 @@ class Scheduler:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _describe_step(self, batch: ScheduleBatch | None) -> str:
+        """What this rank is doing now, for the watchdog's message."""
+        if batch is None:
+            return f"an idle step (MLP sync) after forward step {self.num_forward_steps}"
+        return (
+            f"forward step {self.num_forward_steps + 1} ({batch.forward_mode.name.lower()}, "
+            f"{len(batch.reqs)} requests)"
+        )
 
     def get_next_batch(self) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import traceback
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -26,6 +28,7 @@ import zmq
 from srt.batch_overlap.single_batch_overlap import SmSplit
 from srt.distributed.communication_op import broadcast_object
 from srt.distributed.group_coordinator import GroupCoordinator
+from srt.distributed.heartbeat import PeerHeartbeat
 from srt.distributed.parallel_state import ParallelState, init_parallel_state
 from srt.managers.io_struct import (
     AbortReq,
@@ -38,6 +41,7 @@ from srt.managers.io_struct import (
     WakeUp,
 )
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_watchdog import PEER_WAIT_S, RankFailure, StepWatchdog
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
@@ -46,6 +50,7 @@ from srt.utils.process import freeze_startup_heap, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
+RENDEZVOUS_TIMEOUT_S = 1800.0  # torch's default: nodes may start minutes apart
 
 
 class SchedulerLoop:
@@ -57,6 +62,8 @@ class SchedulerLoop:
         self.is_entry = self.group.is_first_rank
         self.dp_attention = scheduler.enable_dp_attention
         self.last_load: tuple[int, int] | None = None
+        self.watchdog: StepWatchdog | None = None
+        self.num_iterations = 0
         if self.is_entry:
             context = zmq.Context()
             endpoint = port_args.scheduler_inputs[self.dp_rank]
@@ -112,6 +119,10 @@ class SchedulerLoop:
     def run_forever(self) -> None:
         sched = self.scheduler
         while True:
+            self.num_iterations += 1
+            sched.current_step = f"the message broadcast of iteration {self.num_iterations}"
+            if self.watchdog is not None:
+                self.watchdog.begin()
             for msg in self.recv_messages():
                 self.handle(msg)
             if not self.dp_attention and sched.is_idle():
@@ -152,6 +163,10 @@ def init_rank_parallel_state(
         init_method=port_args.dist_init_method,
         device=None if on_cuda else "cpu",
         sbo_combine_ctas=_sbo_combine_ctas(server_args, tp_rank) if on_cuda else None,
+        timeout=timedelta(seconds=server_args.watchdog_timeout),
+        rendezvous_timeout=timedelta(
+            seconds=max(RENDEZVOUS_TIMEOUT_S, server_args.watchdog_timeout)
+        ),
     )
 
 
@@ -189,15 +204,36 @@ def run_scheduler_process(
             "vocab_size": scheduler.model_config.vocab_size,
         }
     )
+    failure = RankFailure(
+        tp_rank,
+        PeerHeartbeat.from_default_group(server_args.num_ranks_per_node).start()
+        if parallel is not None
+        else None,
+        port_args.tokenizer_input if loop.is_entry else None,
+    )
+    loop.watchdog = StepWatchdog(
+        server_args.watchdog_timeout, failure, lambda: scheduler.current_step
+    ).start()
     try:
         loop.run_forever()
-    except RuntimeError as e:
-        if server_args.nnodes > 1 and _is_peer_gone(e):
-            logger.error("lost the other ranks (%s): another node stopped; exiting", e)
-            raise SystemExit(1) from None
-        raise
+    except Exception as e:
+        peer_gone = _is_peer_gone(e)
+        if not peer_gone:  # a bug, not a fault of the cluster: keep its traceback
+            logger.error("%s", traceback.format_exc())
+        what = f"{scheduler.current_step} failed: {_first_line(e)}"
+        failure.exit(what, wait_for_peers=PEER_WAIT_S if peer_gone else 0.0)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first sentence, without gloo's source location (``[.../pair.cc:537] ``)
+    and advice."""
+    text = (str(error) or type(error).__name__).splitlines()[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return re.split(r"\.\s+(?=[A-Z])", text)[0][:300]
 
 
 def _is_peer_gone(error: BaseException) -> bool:
+    """A collective broke because a peer (or the link to it) did."""
     text = str(error).lower()
-    return any(s in text for s in ("connection closed", "connection reset", "broken pipe"))
+    signs = ("connection closed", "connection reset", "broken pipe", "timed out")
+    return any(s in text for s in signs)

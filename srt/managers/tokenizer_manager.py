@@ -22,6 +22,7 @@ from srt.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerFailure,
     TokenizedGenerateReqInput,
 )
 from srt.managers.metrics import TokenizerMetrics
@@ -34,6 +35,15 @@ logger = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 1.0
 WARMUP_TEXT = "The capital city of France is"
 WARMUP_NEW_TOKENS = 8
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+
+
+class ServerOverloadedError(Exception):
+    """The server holds as many requests as it may (``--max-queued-requests``): HTTP 503."""
+
+
+class ServerFailedError(RuntimeError):
+    """A process of the server failed (a rank died, a step hung): the server is going down."""
 
 
 class TokenizerManager:
@@ -68,7 +78,10 @@ class TokenizerManager:
         self.control_lock: asyncio.Lock | None = None
         self.handle_loop_task: asyncio.Task | None = None
         self.metrics = TokenizerMetrics()
-        self.fatal_error: str | None = None  # set when a child process died
+        self.fatal_error: str | None = None  # set when a child process died or a rank failed
+        self.loop: asyncio.AbstractEventLoop | None = None
+        running = server_args.max_running_requests * server_args.num_running_groups
+        self.max_in_flight = running + server_args.max_queued_requests
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
@@ -124,6 +137,7 @@ class TokenizerManager:
         self._ensure_handle_loop()
         obj.normalize_batch_and_arguments()
         items = [obj[i] for i in range(obj.batch_size)]
+        self.admit(sum(_num_samples(item) for item in items))
         if any(_num_samples(item) > 1 for item in items):
             # n samples per prompt: a list of outputs, the prompt's n samples together.
             items, obj.is_single = await self.expand_parallel_samples(items, request), False
@@ -183,6 +197,51 @@ class TokenizerManager:
                 )
         return expanded
 
+    def admit(self, num_requests: int) -> None:
+        """Raise ServerOverloadedError unless ``num_requests`` more fit under the bound on
+        requests in flight (running batches + ``--max-queued-requests``); ServerFailedError
+        once the server is failing."""
+        if self.fatal_error is not None:
+            raise ServerFailedError(self.fatal_error)
+        if num_requests > self.max_in_flight:
+            raise ValueError(
+                f"{num_requests} requests in one call, more than this server holds at once "
+                f"({self.max_in_flight}: running batches + --max-queued-requests)"
+            )
+        if len(self.rid_to_state) + num_requests > self.max_in_flight:
+            self.metrics.rejected.inc(num_requests)
+            raise ServerOverloadedError(self.overloaded_message())
+
+    def overloaded_message(self) -> str | None:
+        """Why the server takes no new request now (its queue is full), or None."""
+        if len(self.rid_to_state) < self.max_in_flight:
+            return None
+        return (
+            f"The server is overloaded: {len(self.rid_to_state)} requests in flight, the "
+            f"limit (--max-queued-requests {self.server_args.max_queued_requests} beyond the "
+            f"running batches); retry after {RETRY_AFTER_S} s."
+        )
+
+    def fail(self, message: str) -> None:
+        """The server is going down (thread-safe): every waiting request ends with
+        ServerFailedError, and new ones are refused. The first message is kept."""
+        if self.fatal_error is None:
+            self.fatal_error = message
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._wake_all)
+
+    def wait_drained(self, timeout: float) -> None:
+        """From another thread, after ``fail``: wait until every request in flight has had
+        its error (at most ``timeout`` s), then a moment for the responses to go out."""
+        deadline = time.monotonic() + timeout
+        while self.rid_to_state and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+
+    def _wake_all(self) -> None:
+        for state in self.rid_to_state.values():
+            state.event.set()
+
     def _submit(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(obj, len(tokenized.input_ids), self.tokenizer)
         self.rid_to_state[obj.rid] = state
@@ -196,7 +255,7 @@ class TokenizerManager:
                     await asyncio.wait_for(state.event.wait(), DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
                     if self.fatal_error is not None:
-                        raise RuntimeError(self.fatal_error) from None
+                        raise ServerFailedError(self.fatal_error) from None
                     if request is not None and await request.is_disconnected():
                         self.abort_request(state.obj.rid)
                         return
@@ -205,6 +264,8 @@ class TokenizerManager:
                 if state.finished:
                     yield state.result()
                     return
+                if self.fatal_error is not None:
+                    raise ServerFailedError(self.fatal_error)
                 if state.obj.stream:
                     yield state.result()
         except (asyncio.CancelledError, GeneratorExit):
@@ -275,7 +336,7 @@ class TokenizerManager:
                     return await asyncio.wait_for(asyncio.shield(future), DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
                     if self.fatal_error is not None:
-                        raise RuntimeError(self.fatal_error) from None
+                        raise ServerFailedError(self.fatal_error) from None
 
     async def flush_cache(self) -> bool:
         replies = await self._control(FlushCacheReq(), FlushCacheReqOutput)
@@ -306,8 +367,9 @@ class TokenizerManager:
     # ------------------------------------------------------------------ results
     def _ensure_handle_loop(self) -> None:
         if self.fatal_error is not None:
-            raise RuntimeError(self.fatal_error)
+            raise ServerFailedError(self.fatal_error)
         if self.handle_loop_task is None:
+            self.loop = asyncio.get_running_loop()
             self.control_lock = asyncio.Lock()
             self.handle_loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
 
@@ -316,6 +378,9 @@ class TokenizerManager:
             msg = await self.recv_from_detokenizer.recv()
             if isinstance(msg, BatchStrOutput):
                 self._handle_batch_output(msg)
+            elif isinstance(msg, SchedulerFailure):
+                logger.error("%s", msg.message)
+                self.fail(msg.message)
             elif type(msg) in self.control_futures:
                 self.control_replies.append(msg)
                 if len(self.control_replies) == self.num_reply_groups:

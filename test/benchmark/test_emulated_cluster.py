@@ -4,30 +4,20 @@ namespace, link or process behind. Needs root and ``ip netns``."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.netns import netns_available
 
 pytestmark = pytest.mark.slow  # starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _netns_available() -> bool:
-    if os.geteuid() != 0:
-        return False
-    name = f"srt-probe-{os.getpid()}"
-    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
-        return False
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return True
-
-
-@pytest.mark.skipif(not _netns_available(), reason="needs root and ip netns")
+@pytest.mark.skipif(not netns_available(), reason="needs root and ip netns")
 def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
     argv = [
         sys.executable, str(ROOT / "benchmark" / "emulated_cluster.py"), "--nodes", "2",

@@ -26,6 +26,7 @@ from srt.entrypoints.openai.utils import (
     sse_line,
 )
 from srt.managers.io_struct import GenerateReqInput
+from srt.managers.tokenizer_manager import ServerFailedError, ServerOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class OpenAIServingBase:
                 created=int(time.time()),
             )
             objs = self.build_inputs(req, ctx)
+            self.tm.admit(len(objs) * req.n)  # all of the request's prompts, or none
             if req.n > 1:  # n choices per prompt, the prompt prefilled once for all of them
                 objs = await self.tm.expand_parallel_samples(objs, request)
             if req.stream:
@@ -75,6 +77,10 @@ class OpenAIServingBase:
             return e.response()
         except ValueError as e:  # bad input found by the TokenizerManager or a check here
             return OpenAIError(str(e)).response()
+        except ServerOverloadedError as e:
+            return OpenAIError(str(e), 503, "ServiceUnavailableError").response()
+        except ServerFailedError as e:
+            return OpenAIError(str(e), 500, "InternalServerError").response()
 
     def build_inputs(self, req: Any, ctx: RequestContext) -> list[GenerateReqInput]:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from srt.entrypoints.openai.protocol import (
     SglExt,
     UsageInfo,
 )
+from srt.managers.tokenizer_manager import RETRY_AFTER_S
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_LISTED_ERRORS = 3
@@ -35,7 +36,10 @@ class OpenAIError(Exception):
         return ErrorResponse(message=self.message, type=self.err_type, code=self.status_code)
 
     def response(self) -> Response:
-        return json_response(self.to_model(), self.status_code)
+        response = json_response(self.to_model(), self.status_code)
+        if self.status_code == 503:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     def sse(self) -> bytes:
         """The in-stream form (``{"error": {...}}``) that the openai client raises on."""

@@ -66,6 +66,9 @@ class FakeTokenizerManager:
         self.requests: list[GenerateReqInput] = []
         self.aborted: list[str] = []
 
+    def admit(self, num_requests: int) -> None:
+        """Room for every request (the real bound is tested against a real server)."""
+
     async def generate_request(self, obj: GenerateReqInput, request: Any = None):
         self.requests.append(obj)
         prompt_len = self._check(obj)
