@@ -307,7 +307,7 @@ class ServerArgs:
             "Requests a server holds beyond what its running batches take (--max-running-"
             "requests per attention-DP group); a request over the bound gets 503 with "
             "Retry-After at once, and /ready fails while it is reached. Default: 4x the "
-            "running batches' requests.",
+            "running batches' requests (the offline Engine: unbounded).",
         ),
     )
     watchdog_timeout: float = field(

@@ -11,11 +11,16 @@ from srt.entrypoints.launcher import launch_subprocesses
 from srt.managers.io_struct import GenerateReqInput
 from srt.server_args import ServerArgs
 
+UNBOUNDED_QUEUE = 2**62
+
 
 class Engine:
     """``srt.Engine(**server_args)``: the same field names as the server's flags."""
 
     def __init__(self, **kwargs: Any):
+        # Offline generation hands over whole batches: no bound on waiting requests unless
+        # one is asked for (the server's default bound answers HTTP clients with 503s).
+        kwargs.setdefault("max_queued_requests", UNBOUNDED_QUEUE)
         self.server_args = ServerArgs.from_kwargs(**kwargs)
         if self.server_args.node_rank != 0:
             raise ValueError(

@@ -174,3 +174,9 @@ def test_flush_cache_and_server_info(assert_kv_pool_full, eng):
     assert info["internal_states"][0]["num_evictable_tokens"] > 0
     assert eng.flush_cache()
     assert eng.get_server_info()["internal_states"][0]["num_evictable_tokens"] == 0
+
+
+def test_engine_holds_any_batch(eng):
+    """The bound on queued requests is the server's (503s for HTTP clients); the Engine takes
+    whole batches, whatever their size, unless asked for a bound."""
+    assert eng.tokenizer_manager.max_in_flight >= 2**62
