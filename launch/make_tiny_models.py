@@ -415,10 +415,21 @@ def ensure_tiny_models(root: Path | None = None) -> dict[str, str]:
     return {name: str(root / name) for name in MODEL_NAMES}
 
 
+BUNDLED_MODELS_DIR = Path(__file__).resolve().parent / "models"
+BUNDLED_MODELS = ("arith-qwen3-moe", "arith-deepseek-v3")  # launch/train_tiny_models.py
+
+
+def bundled_model_path(name: str = BUNDLED_MODELS[0]) -> str:
+    """A trained checkpoint committed with the project (it answers arithmetic)."""
+    if name not in BUNDLED_MODELS:
+        raise ValueError(f"unknown bundled model {name!r}; choose from {BUNDLED_MODELS}")
+    return str(BUNDLED_MODELS_DIR / name)
+
+
 def default_model_path() -> str:
     """The model ``python -m launch_server`` and the benchmarks serve without ``--model-path``:
-    the tiny Qwen3-MoE, built (a few MB, no network) on first use."""
-    return ensure_tiny_models()["tiny-qwen3-moe"]
+    the bundled Qwen3-MoE trained on arithmetic."""
+    return bundled_model_path()
 
 
 def main() -> None:

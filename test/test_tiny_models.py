@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from make_tiny_models import MODEL_NAMES, make_tiny_models
+from make_tiny_models import MODEL_NAMES, bundled_model_path, make_tiny_models
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +60,7 @@ def test_launcher_defaults_to_the_bundled_model(tiny_models: dict[str, str]) -> 
     """The launcher fills in the bundled model; the library itself requires a model path."""
     from launch_server import parse_args
 
-    assert parse_args([]).model_path == tiny_models["tiny-qwen3-moe"]
+    assert parse_args([]).model_path == bundled_model_path("arith-qwen3-moe")
     assert parse_args(["--model-path", tiny_models["tiny-deepseek-v3"]]).model_path.endswith("v3")
     with pytest.raises(ValueError, match="--model-path is required"):
         ServerArgs()
