@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -79,10 +79,16 @@ Hello! Hi there. Thanks, bye. Yes or no? Maybe... (perhaps) [never] <always> 'qu
 """
 
 
-def build_tokenizer() -> Tokenizer:
-    """Byte-level BPE trained on CORPUS; special tokens take the last ids."""
+def build_tokenizer(extra_lines: Sequence[str] = (), split_digits: bool = False) -> Tokenizer:
+    """Byte-level BPE trained on CORPUS (and ``extra_lines``); special tokens take the last
+    ids. ``split_digits``: every digit its own pre-token, so no merge spans two digits."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_digits:
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
@@ -90,7 +96,7 @@ def build_tokenizer() -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator([*CORPUS.splitlines(keepends=True), *extra_lines], trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 

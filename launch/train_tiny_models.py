@@ -35,17 +35,15 @@ from pathlib import Path
 import torch
 from arith_data import Problem, split_problems
 from make_tiny_models import (
-    CORPUS,
     EOS_TOKEN,
-    SPECIAL_TOKENS,
-    VOCAB_SIZE,
     _write_json,
     deepseek_config,
     qwen3_moe_config,
     save_tokenizer,
     save_weights,
 )
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from make_tiny_models import build_tokenizer as build_tiny_tokenizer
+from tokenizers import Tokenizer
 
 IM_END = "<|im_end|>"
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma)
@@ -57,26 +55,9 @@ SIZES = {"hidden_size": 128, "num_hidden_layers": 3, "moe_intermediate_size": 64
 
 
 def build_tokenizer(train: list[Problem]) -> Tokenizer:
-    """make_tiny_models' byte-level BPE, with digits split before merging."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    lines = CORPUS.splitlines(keepends=True)
-    lines += [f"{p.chat_question}\n{p.equation}\n" for p in train[:200]]
-    tok.train_from_iterator(lines, trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return tok
+    """make_tiny_models' byte-level BPE, also trained on some problems, digits split."""
+    lines = [f"{p.chat_question}\n{p.equation}\n" for p in train[:200]]
+    return build_tiny_tokenizer(lines, split_digits=True)
 
 
 def chat_text(problem: Problem) -> tuple[str, int]:
