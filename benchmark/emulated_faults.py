@@ -222,8 +222,6 @@ def run_fault(args, fault: str, out: Path) -> dict:
                 ["ip", "netns", "pids", ns], capture_output=True, text=True
             ).stdout.split()
         ]
-        for s in servers:  # the cluster's cleanup ends whatever is left
-            _wait(s, 0)
     row["left_namespaces"] = [ns for ns in cluster.node_ns if _netns_exists(ns)]
     after = set(glob.glob(os.path.join(tempfile.gettempdir(), "srt-ipc-*")))
     row["left_ipc_dirs"] = sorted(after - ipc_before)
