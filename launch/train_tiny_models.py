@@ -6,10 +6,10 @@
 Two models share one byte-level BPE tokenizer (make_tiny_models' corpus plus arithmetic text,
 with every digit its own token, so that numbers are spelled digit by digit):
   arith-qwen3-moe    Qwen3MoeForCausalLM: GQA with q/k norms, 8 experts top-2 in every layer,
-                     the router's load-balancing loss (coefficient 0.1) in training
-  arith-deepseek-v3  DeepseekV3ForCausalLM: MLA with q_lora, a dense first layer, then 8
-                     routed experts in 4 groups (sigmoid scores, top-2 of the best 2 groups,
-                     correction bias) and a shared expert; the bias follows DeepSeek-V3's
+                     the Switch load-balancing loss of each layer (coefficient 0.1) in training
+  arith-deepseek-v3  DeepseekV3ForCausalLM: MLA (queries uncompressed), a dense first layer,
+                     then 8 routed experts in 4 groups (sigmoid scores, top-2 of the best 2
+                     groups, correction bias) and a shared expert; the bias follows DeepSeek-V3's
                      auxiliary-loss-free balancing (raised for underloaded experts, lowered for
                      overloaded ones, by ``BIAS_RATE`` per step)
 Each batch mixes plain lines (1 to 4 solved problems, one per line, ending with the EOS token)
@@ -18,8 +18,9 @@ ends them. The held-out tenth of the problems never appears. AdamW, warm-up then
 Fixed seeds and batch order, one torch thread per model (``--threads``): a rerun with the same
 torch version should give the same weights.
 Writes HF checkpoints (config, generation config, tokenizer, per-expert safetensors) and
-``training_log.json`` (loss per step, held-out accuracy at the end); ``--plot PNG`` draws the
-loss curves (needs matplotlib).
+``training_log.json`` (loss per step; at the end the held-out accuracy and each MoE layer's
+share of the expert picks on that text); ``--plot PNG`` draws the loss curves (needs
+matplotlib).
 """
 
 from __future__ import annotations
@@ -119,42 +120,86 @@ def model_config(name: str, vocab_size: int, eos_id: int) -> dict:
         cfg = qwen3_moe_config(vocab_size, eos_id) | SIZES
         return cfg | {"intermediate_size": 256, "router_aux_loss_coef": 0.1}
     cfg = deepseek_config(3, vocab_size, eos_id) | SIZES
-    mla = {"q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16}
+    # Queries uncompressed (q_lora_rank None, as in DeepSeek-V2-Lite) and half of each query /
+    # key head rotary: with q_lora 64 and 16 rotary dims it learned the digits' alignment slowly.
+    mla = {"q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32}
     cfg = cfg | mla | {"v_head_dim": 32, "intermediate_size": 256, "n_group": 4, "topk_group": 2}
+    # Weights drawn with std 0.05, not 0.02 (a width-7168 model's value): without Qwen3's q/k
+    # norms the attention logits of a width-128 model start near zero and the digits'
+    # alignment was learned late or not at all within the steps.
+    cfg["initializer_range"] = 0.05
     del cfg["rope_scaling"]  # plain RoPE: the problems are short
     return cfg
+
+
+class Routing:
+    """Forward hooks on every MoE layer's router (``mlp.gate``; both architectures' routers
+    return ``(logits, weights, expert indices)``): the router logits and picks of the last
+    forward."""
+
+    def __init__(self, model):
+        self.gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        self.logits: list[torch.Tensor | None] = [None] * len(self.gates)
+        self.picks: list[torch.Tensor | None] = [None] * len(self.gates)
+        for i, gate in enumerate(self.gates):
+            gate.register_forward_hook(self._recorder(i))
+
+    def _recorder(self, i: int):
+        def hook(module, inputs, outputs):
+            self.logits[i], self.picks[i] = outputs[0], outputs[-1]
+
+        return hook
+
+    def loads(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, how many of the last forward's real (unpadded) tokens picked each expert."""
+        return [expert_load(p, mask, lg.shape[-1]) for lg, p in zip(self.logits, self.picks)]
+
+    def balancing_loss(self, mask: torch.Tensor) -> torch.Tensor:
+        return balancing_loss(self.logits, self.picks, mask)
+
+
+def expert_load(picks: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    keep = mask.reshape(-1).bool()
+    return torch.bincount(picks[keep].flatten(), minlength=num_experts).float()
+
+
+def balancing_loss(logits: list, picks: list, mask: torch.Tensor) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss of each MoE layer (number of experts times
+    the sum over experts of the share of picks and the mean router probability; 1.0 when
+    balanced), averaged over the layers. ``logits[i]`` [tokens, experts] and ``picks[i]``
+    [tokens, top_k] are layer i's; ``mask`` marks the real tokens. transformers' own loss pools
+    the picks of all layers before balancing, which leaves each layer free to use only two
+    or three of its experts."""
+    keep = mask.reshape(-1, 1).float()
+    losses = []
+    for layer_logits, layer_picks in zip(logits, picks):
+        probs = layer_logits.softmax(-1)
+        load = expert_load(layer_picks, mask, probs.shape[-1])
+        mean_prob = (probs * keep).sum(0) / keep.sum()
+        losses.append(probs.shape[-1] * (load / load.sum() * mean_prob).sum())
+    return torch.stack(losses).mean()
 
 
 class BiasBalancer:
     """DeepSeek-V3's auxiliary-loss-free balancing: counts each MoE layer's expert choices in
     a step, then moves its correction bias toward equal load."""
 
-    def __init__(self, model):
-        self.gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
-        self.loads = [torch.zeros(g.e_score_correction_bias.numel()) for g in self.gates]
-        for gate, load in zip(self.gates, self.loads):
-            gate.register_forward_hook(self._counter(load))
+    def __init__(self, routing: Routing):
+        self.routing = routing
 
-    @staticmethod
-    def _counter(load: torch.Tensor):
-        def hook(module, inputs, outputs):
-            indices = outputs[-1]
-            load.add_(torch.bincount(indices.flatten(), minlength=load.numel()).float())
-
-        return hook
-
-    def step(self) -> None:
+    def step(self, mask: torch.Tensor) -> None:
         with torch.no_grad():
-            for gate, load in zip(self.gates, self.loads):
+            for gate, load in zip(self.routing.gates, self.routing.loads(mask)):
                 gate.e_score_correction_bias += BIAS_RATE * torch.sign(load.mean() - load)
-                load.zero_()
 
 
-def held_out_accuracy(model, tok, held: list[Problem], pad: int) -> dict[str, float]:
+def held_out_accuracy(model, routing: Routing, tok, held: list[Problem], pad: int) -> dict:
     """Exact match of every answer token and its terminator under teacher forcing (the same
-    as greedy decoding getting the answer), plain and chat."""
+    as greedy decoding getting the answer), plain and chat; and each MoE layer's share of the
+    expert picks over that text (one list per layer, expert 0 first)."""
     model.eval()
-    scores = {}
+    scores: dict = {}
+    picks = [torch.zeros(g.weight.shape[0]) for g in routing.gates]
     terminators = [tok.token_to_id(EOS_TOKEN), tok.encode("\n").ids[0]]
     with torch.no_grad():
         for chat in (False, True):
@@ -165,6 +210,8 @@ def held_out_accuracy(model, tok, held: list[Problem], pad: int) -> dict[str, fl
                 logits = model(
                     input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
                 ).logits
+                for total, load in zip(picks, routing.loads(batch["attention_mask"])):
+                    total += load
                 pred = logits[:, :-1].argmax(-1)
                 target = batch["labels"][:, 1:]
                 ok = (pred == target) | (target == -100)
@@ -174,6 +221,7 @@ def held_out_accuracy(model, tok, held: list[Problem], pad: int) -> dict[str, fl
                     ok[rows, last] = torch.isin(pred[rows, last], torch.tensor(terminators))
                 correct += int(ok.all(dim=1).sum())
             scores["chat" if chat else "plain"] = correct / len(held)
+    scores["expert_share"] = [[round(float(x), 4) for x in p / p.sum()] for p in picks]
     model.train()
     return scores
 
@@ -185,7 +233,8 @@ def train(name: str, tok: Tokenizer, args) -> tuple[object, dict, dict]:
     eos_id = tok.token_to_id(EOS_TOKEN)
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
     model, cfg = build_model(name, vocab_size, eos_id, args.seed)
-    balancer = BiasBalancer(model) if cfg["model_type"] == "deepseek_v3" else None
+    routing = Routing(model)
+    balancer = BiasBalancer(routing) if cfg["model_type"] == "deepseek_v3" else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, steps // 20)
 
@@ -202,15 +251,17 @@ def train(name: str, tok: Tokenizer, args) -> tuple[object, dict, dict]:
     model.train()
     for step in range(steps):
         batch = make_batch(tok, train_set, rng, args.batch_size, eos_id)
-        kwargs = {"output_router_logits": True} if balancer is None else {}
-        loss = model(**batch, **kwargs).loss
+        mask = batch["attention_mask"]
+        loss = model(**batch).loss
+        if balancer is None:  # Qwen3-MoE: per-layer balancing instead of transformers' pooled loss
+            loss = loss + cfg["router_aux_loss_coef"] * routing.balancing_loss(mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         if balancer is not None:
-            balancer.step()
+            balancer.step(mask)
         log["steps"].append(step)
         log["loss"].append(round(loss.item(), 5))
         if step % 100 == 0 or step == steps - 1:
@@ -219,8 +270,10 @@ def train(name: str, tok: Tokenizer, args) -> tuple[object, dict, dict]:
                 flush=True,
             )
     log["train_seconds"] = round(time.monotonic() - start, 1)
-    log["held_out_accuracy"] = held_out_accuracy(model, tok, held, eos_id)
-    print(f"{name}: held-out accuracy {log['held_out_accuracy']}", flush=True)
+    result = held_out_accuracy(model, routing, tok, held, eos_id)
+    log["expert_share"] = result.pop("expert_share")
+    log["held_out_accuracy"] = result
+    print(f"{name}: held-out accuracy {result}; expert shares {log['expert_share']}", flush=True)
     return model, cfg, log
 
 
@@ -281,7 +334,10 @@ def plot(logs: dict[str, dict], path: str) -> None:
         )
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (answer tokens, 20-step mean)")
+    ax.set_ylabel("training loss (20-step mean)")
+    ax.set_title(
+        "answer tokens; Qwen3-MoE's adds 0.1 x balancing loss (1.0 when balanced)", fontsize=9
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -61,14 +61,14 @@ def single_rank() -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("name", BUNDLED_MODELS)
 def test_answers_problems_it_never_saw(name, single_rank):
-    """At least 14 of the 16 right, zero-shot and in chat (the full held-out set is measured
-    by benchmark/eval_accuracy.py: docs/accuracy.md)."""
+    """All 16 right, zero-shot and in chat (the full held-out set is measured by
+    benchmark/eval_accuracy.py: docs/accuracy.md)."""
     outs = single_rank[name]
     plain = [parse_answer(o["text"]) for o in outs[: len(SAMPLE)]]
     chat = [chat_answer(o["text"]) for o in outs[len(SAMPLE) :]]
     for got in (plain, chat):
         right = sum(a == p.answer for a, p in zip(got, SAMPLE))
-        assert right >= len(SAMPLE) - 2, (got, [p.answer for p in SAMPLE])
+        assert right == len(SAMPLE), (got, [p.answer for p in SAMPLE])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
