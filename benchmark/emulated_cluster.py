@@ -9,15 +9,17 @@ direction), then, with one rank per node pinned to its own core (``taskset``):
   decode, in one run each, and the share of the all-to-all time hidden;
 - ``python -m launch_server`` on every node (overlap off, TBO, SBO and ``--overlap-mode auto``
   in turn), waits for node 0's ``/health``, and runs ``bench_serving.py`` from inside node 0's
-  namespace against it (for auto it also keeps the policy's choices from /get_server_info);
+  namespace against it: one warm-up burst, then ``--serving-runs`` measured bursts with prompts
+  of their own, the median burst reported (for auto it also keeps the policy's choices from
+  /get_server_info);
 then stops every process and removes the namespaces and links, also on failure or Ctrl-C.
 Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OUT/step_time.png``.
 
     python benchmark/emulated_cluster.py --nodes 2 --link-rate 1gbit --quick
     python benchmark/emulated_cluster.py --nodes 2 --link-rate 0.5gbit 1gbit 2gbit unshaped
 
-``--quick`` runs the 2-node point at the first rate with one repeat and a short serving run,
-and ends with ``summary: tbo_decode_speedup=… tbo_prefill_speedup=… sbo_decode_speedup=…
+``--quick`` runs the 2-node point at the first rate with one repeat and one batch size, and
+ends with ``summary: tbo_decode_speedup=… tbo_prefill_speedup=… sbo_decode_speedup=…
 hidden_fraction=… serving_auto_vs_off=… serving_auto_vs_best=…`` (throughput ratios over
 overlap off in the same run; the hidden fraction is TBO's, prefill and decode together:
 (T_off − T_on) / T_comm; the serving ratios are output tok/s of auto over off and over the best
@@ -66,8 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per run")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
-        "--serving-runs", type=int, default=1,
-        help="bench_serving runs per server; the last is reported (the others warm it up)",
+        "--serving-runs", type=int, default=5,
+        help="measured bench_serving bursts per server, after one warm-up burst, each with "
+        "its own prompts; the median burst (by output tok/s) is reported",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", default=None, metavar="DIR", help="node 0's op timelines")
@@ -78,7 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(missing)
     if args.quick:
         args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
-        args.num_prompts = min(args.num_prompts, 16)
         args.repeat = min(args.repeat, 2)
     return args
 
@@ -178,13 +180,16 @@ def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
                  "--disable-tqdm", "--output-file", str(record)]  # fmt: skip
         log_path = out / f"bench_serving_{tag}_{mode}.log"
         with open(log_path, "w") as log:
-            for _ in range(args.serving_runs):
-                rc = subprocess.run(
-                    cluster.exec_argv(0, bench), stdout=log, stderr=log, timeout=args.timeout
-                ).returncode
+            # Burst 0 warms the server up. A seed per burst: the same prompts again would come
+            # from the prefix cache, with no prefill.
+            for burst in range(1 + args.serving_runs):
+                argv = cluster.exec_argv(0, [*bench, "--seed", str(burst + 1)])
+                rc = subprocess.run(argv, stdout=log, stderr=log, timeout=args.timeout).returncode
                 if rc:
                     raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
-        result = json.loads(record.read_text().splitlines()[-1])
+        bursts = [json.loads(line) for line in record.read_text().splitlines()[1:]]
+        result = sorted(bursts, key=lambda r: r["output_throughput"])[(len(bursts) - 1) // 2]
+        result["burst_output_throughputs"] = [r["output_throughput"] for r in bursts]
         if mode == "auto":  # what the policy chose, and its estimates (node 0, DP group 0)
             info = _node0_json(cluster, base + "/get_server_info")
             result["overlap"] = info["internal_states"][0]["overlap"]
