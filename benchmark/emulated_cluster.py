@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=8)
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per run")
+    p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per burst")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
         "--serving-runs", type=int, default=5,
@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profile and (missing := matplotlib_missing()):
         p.error(missing)
+    if args.serving_runs < 1:
+        p.error("--serving-runs must be at least 1")
     if args.quick:
         args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
         args.repeat = min(args.repeat, 2)
