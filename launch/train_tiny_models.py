@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from arith_data import Problem, split_problems
 from make_tiny_models import (
+    BUNDLED_MODELS,
     EOS_TOKEN,
     _write_json,
     deepseek_config,
@@ -49,9 +50,8 @@ from tokenizers import Tokenizer
 IM_END = "<|im_end|>"
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma)
 MAX_LINES = 4  # solved problems in one plain example (a 3-shot prompt and its question)
-MODEL_NAMES = ["arith-qwen3-moe", "arith-deepseek-v3"]
-# Steps each model gets by default (side by side, both finish in about 12 minutes on 2 cores).
-STEPS = {"arith-qwen3-moe": 4000, "arith-deepseek-v3": 4000}
+MODEL_NAMES = list(BUNDLED_MODELS)
+STEPS = 4000  # per model (side by side, both finish in about 12 minutes on 2 cores)
 SIZES = {"hidden_size": 128, "num_hidden_layers": 3, "moe_intermediate_size": 64}
 
 
@@ -228,7 +228,7 @@ def held_out_accuracy(model, routing: Routing, tok, held: list[Problem], pad: in
 
 def train(name: str, tok: Tokenizer, args) -> tuple[object, dict, dict]:
     """Train one model; returns it, its config and its log."""
-    steps = args.steps or STEPS[name]
+    steps = args.steps
     train_set, held = split_problems()
     eos_id = tok.token_to_id(EOS_TOKEN)
     vocab_size = -(-tok.get_vocab_size() // 8) * 8
@@ -355,7 +355,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", required=True)
     p.add_argument("--only", nargs="+", choices=MODEL_NAMES, default=MODEL_NAMES)
-    p.add_argument("--steps", type=int, default=None, help=f"default: {STEPS}")
+    p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
