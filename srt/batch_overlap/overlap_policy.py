@@ -9,8 +9,10 @@ step time of every mode from the steps it runs:
 - a sample is one step: its kind (prefill / decode), its mode, its tokens (the most any
   attention-DP group brings, the size that decides a lock-step's time), its time and the time
   its dispatchers spent in the all-to-all (both the slowest rank's, see below);
-- samples go to a cell per (kind, mode, power-of-two bucket of tokens), an exponentially
-  weighted mean of tokens, time and all-to-all time;
+- samples go to a cell per (kind, mode, power-of-two bucket of tokens), which keeps the last
+  ``window`` of them and stands for their medians of tokens, time and all-to-all time: one
+  step slowed by something else on the machine moves nothing, a change that lasts is followed
+  once it is in most of the window;
 - a mode's time at ``tokens`` is its cell in that bucket, moved along a slope fitted through
   its cells weighted by closeness in buckets; in a bucket without a cell, that line's value
   (``OverlapCostModel.predict``); flat below the first cell.
@@ -26,7 +28,10 @@ each mode three times (the median stands), so that the first requests meet a mea
   only for a gain of about 10 % and left as soon as the plain step is predicted faster (the
   plain step is the safe choice when measurements are noisy and the modes close);
 - every ``remeasure_every``-th step of a bucket, the other mode sampled longest ago, so
-  estimates stay true as lengths and load change (the same pruning as exploration).
+  estimates stay true as lengths and load change (the same pruning as exploration); an
+  overlap predicted more than ``far_behind`` slower than the current mode only every
+  ``far_remeasure_every``-th step (each such sample costs its whole deficit), the plain step
+  always at the full rate.
 
 Every rank holds its own policy and must choose the same mode (the modes run different
 collectives). It does: the inputs are the same everywhere, since the tokens and the modes a
@@ -49,26 +54,26 @@ def bucket_of(tokens: int) -> int:
     return max(0, int(tokens).bit_length() - 1)
 
 
+def _median(values: list[float]) -> float:
+    """The middle value; of an even count the lower middle one (an outlier is high)."""
+    return sorted(values)[(len(values) - 1) // 2]
+
+
 @dataclass
 class CostCell:
-    """Exponentially weighted means of one (kind, mode, bucket)."""
+    """The last ``window`` samples of one (kind, mode, bucket); the estimate is their medians."""
 
-    samples: int = 0
+    window: int = 5
+    samples: int = 0  # all ever observed
+    last_step: int = -1  # the policy step of the last sample
+    recent: list[tuple[int, float, float]] = field(default_factory=list)
     tokens: float = 0.0
     seconds: float = 0.0
     comm_seconds: float = 0.0
-    last_step: int = -1  # the policy step of the last sample
 
-    def add(self, tokens: int, seconds: float, comm_seconds: float, alpha: float, step: int):
-        """A sample more; one far above the mean counts as twice the mean (a step that waited
-        for something else on the machine must not flip a choice on its own)."""
-        w = 1.0 if self.samples == 0 else alpha
-        if self.samples and alpha < 1 and seconds > 2 * self.seconds:
-            comm_seconds *= 2 * self.seconds / seconds
-            seconds = 2 * self.seconds
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
-        self.comm_seconds += w * (comm_seconds - self.comm_seconds)
+    def add(self, tokens: int, seconds: float, comm_seconds: float, step: int):
+        self.recent = [*self.recent[1 - self.window :], (tokens, seconds, comm_seconds)]
+        self.tokens, self.seconds, self.comm_seconds = (_median(list(c)) for c in zip(*self.recent))
         self.samples += 1
         self.last_step = step
 
@@ -76,8 +81,10 @@ class CostCell:
 class OverlapCostModel:
     """Step time per (kind, mode) as a function of tokens (see the module docstring)."""
 
-    def __init__(self, alpha: float = 0.3):
-        self.alpha = alpha
+    def __init__(self, window: int = 5):
+        if window < 1:
+            raise ValueError(f"a cost cell's window must hold a sample, got {window}")
+        self.window = window
         self.cells: dict[tuple[str, str, int], CostCell] = {}
 
     def observe(
@@ -88,11 +95,9 @@ class OverlapCostModel:
         seconds: float,
         comm_seconds: float,
         step: int,
-        alpha: float | None = None,
     ) -> None:
-        """``alpha``: the new sample's weight (default ``self.alpha``; 1 replaces the cell)."""
-        cell = self.cells.setdefault((kind, mode, bucket_of(tokens)), CostCell())
-        cell.add(tokens, seconds, comm_seconds, self.alpha if alpha is None else alpha, step)
+        cell = self.cells.setdefault((kind, mode, bucket_of(tokens)), CostCell(self.window))
+        cell.add(tokens, seconds, comm_seconds, step)
 
     def cell(self, kind: str, mode: str, bucket: int) -> CostCell | None:
         return self.cells.get((kind, mode, bucket))
@@ -149,16 +154,18 @@ class OverlapPolicy:
     margin: float = 0.05
     off_preference: float = 0.05  # an overlap's prediction counts this much more than off's
     remeasure_every: int = 16
+    far_behind: float = 0.25
+    far_remeasure_every: int = 64
     min_comm_share: float = 0.03
     model: OverlapCostModel = field(default_factory=OverlapCostModel)
     step: int = 0
     current: dict[tuple[str, int], str] = field(default_factory=dict)  # by (kind, bucket)
     visits: dict[tuple[str, int], int] = field(default_factory=dict)
+    last_visit: dict[tuple[str, int, str], int] = field(default_factory=dict)  # by mode too
     step_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, mode) run
     num_explored: int = 0  # steps run to measure a mode rather than because it was best
     calibrating: bool = False  # start-up: each step runs the mode least sampled in its bucket
     num_calibration_steps: int = 0
-    _calibration: dict = field(default_factory=dict, repr=False)  # its samples, by cell
 
     def __post_init__(self):
         unknown = set(self.modes) - set(MODES)
@@ -181,16 +188,9 @@ class OverlapPolicy:
         return mode
 
     def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
-        """A step's measurement. While calibrating, the cell is the median sample so far (the
-        lower one of two): the first run of a size pays first-use costs (fresh pages) that
-        serving steps no longer do, and a shared machine adds outliers."""
-        if not self.calibrating:
-            self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
-            return
-        samples = self._calibration.setdefault((kind, mode, bucket_of(tokens)), [])
-        samples.append((seconds, comm_seconds, tokens))
-        seconds, comm_seconds, tokens = sorted(samples)[(len(samples) - 1) // 2]
-        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step, alpha=1.0)
+        """A step's measurement. Calibration's samples count like serving's: the median of a
+        cell's three passes drops the first one's first-use costs (fresh pages)."""
+        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
 
     def _worth_measuring(self, kind: str, tokens: int, modes: list[str]) -> list[str]:
         share = self.model.comm_share(kind, tokens)
@@ -207,6 +207,15 @@ class OverlapPolicy:
         bucket = bucket_of(tokens)
         key = (kind, bucket)
         visit = self.visits[key] = self.visits.get(key, 0) + 1
+        mode, explored = self._decide_in_bucket(kind, tokens, modes, visit)
+        self.last_visit[(kind, bucket, mode)] = visit
+        return mode, explored
+
+    def _decide_in_bucket(
+        self, kind: str, tokens: int, modes: list[str], visit: int
+    ) -> tuple[str, bool]:
+        bucket = bucket_of(tokens)
+        key = (kind, bucket)
         worth_measuring = self._worth_measuring(kind, tokens, modes)
         unmeasured = [m for m in worth_measuring if self.model.cell(kind, m, bucket) is None]
         if unmeasured:
@@ -220,7 +229,16 @@ class OverlapPolicy:
             current = best
         self.current[key] = current
         if visit % self.remeasure_every == 0:
-            others = [m for m in worth_measuring if m != current]
+            others = [
+                m
+                for m in worth_measuring
+                if m != current
+                and (
+                    m == "off"  # the safe choice is re-measured at the full rate
+                    or known[m] <= known[current] * (1 + self.far_behind)
+                    or visit - self.last_visit.get((kind, bucket, m), 0) >= self.far_remeasure_every
+                )
+            ]
             if others:
                 return min(others, key=lambda m: self.model.cell(kind, m, bucket).last_step), True
         return current, False
