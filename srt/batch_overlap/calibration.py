@@ -62,7 +62,7 @@ def calibrate(runner: ModelRunner) -> None:
                     for _ in policy.modes:
                         _run(runner, mode, n)
     finally:
-        policy.calibrating = False
+        policy.end_calibration()
         runner.req_to_token_pool.clear()
         runner.token_to_kv_pool_allocator.clear()
         runner.forward_step_counts.clear()  # they count served steps

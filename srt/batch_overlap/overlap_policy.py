@@ -15,7 +15,14 @@ step time of every mode from the steps it runs:
   once it is in most of the window;
 - a mode's time at ``tokens`` is its cell in that bucket, moved along a slope fitted through
   its cells weighted by closeness in buckets; in a bucket without a cell, that line's value
-  (``OverlapCostModel.predict``); flat below the first cell.
+  (``OverlapCostModel.predict``); flat below the first cell;
+- an overlap is compared with the plain step as measured at the same time: each of its samples
+  also records its time over the plain step's prediction at that moment, and where its bucket
+  has such ratios, its prediction is the plain step's times their median. Everything on the
+  machine (a client tokenising, other work) slows both alike, so a plain step measured under
+  load is not weighed against an overlap measured at calibration on a quiet machine.
+  Calibration's first pass is cold for whichever mode runs a size first, so its ratios are
+  taken once it ends, from its medians.
 
 At start-up (``calibration``) the server runs synthetic steps of every bucket up to its limits,
 each mode three times (the median stands), so that the first requests meet a measured model.
@@ -67,13 +74,20 @@ class CostCell:
     samples: int = 0  # all ever observed
     last_step: int = -1  # the policy step of the last sample
     recent: list[tuple[int, float, float]] = field(default_factory=list)
+    recent_vs_off: list[float] = field(default_factory=list)
     tokens: float = 0.0
     seconds: float = 0.0
     comm_seconds: float = 0.0
+    vs_off: float | None = None  # an overlap's time over the plain step's (None: not known)
 
-    def add(self, tokens: int, seconds: float, comm_seconds: float, step: int):
+    def add(
+        self, tokens: int, seconds: float, comm_seconds: float, step: int, vs_off: float | None
+    ):
         self.recent = [*self.recent[1 - self.window :], (tokens, seconds, comm_seconds)]
         self.tokens, self.seconds, self.comm_seconds = (_median(list(c)) for c in zip(*self.recent))
+        if vs_off is not None:
+            self.recent_vs_off = [*self.recent_vs_off[1 - self.window :], vs_off]
+            self.vs_off = _median(self.recent_vs_off)
         self.samples += 1
         self.last_step = step
 
@@ -95,24 +109,41 @@ class OverlapCostModel:
         seconds: float,
         comm_seconds: float,
         step: int,
+        relative: bool = True,
     ) -> None:
+        """``relative``: also record an overlap's ratio to the plain step's prediction."""
+        off = self.predict(kind, "off", tokens) if mode != "off" and relative else None
+        vs_off = seconds / off if off else None
         cell = self.cells.setdefault((kind, mode, bucket_of(tokens)), CostCell(self.window))
-        cell.add(tokens, seconds, comm_seconds, step)
+        cell.add(tokens, seconds, comm_seconds, step, vs_off)
+
+    def seed_vs_off(self) -> None:
+        """Each overlap cell without a ratio gets its time over the plain step's prediction."""
+        for (kind, mode, _), cell in self.cells.items():
+            off = self.predict(kind, "off", round(cell.tokens)) if mode != "off" else None
+            if off and cell.vs_off is None:
+                cell.recent_vs_off, cell.vs_off = [cell.seconds / off], cell.seconds / off
 
     def cell(self, kind: str, mode: str, bucket: int) -> CostCell | None:
         return self.cells.get((kind, mode, bucket))
 
     def predict(self, kind: str, mode: str, tokens: int) -> float | None:
         """Seconds of a ``mode`` step of ``tokens``; None when the mode never ran this kind.
-        The cell of ``tokens``' bucket, moved along the mode's slope to ``tokens``; without
-        one, a line through the mode's cells. The slope and the line are least squares,
-        weighted by closeness in buckets (Gaussian, one bucket wide) and samples (up to 4), so
+        An overlap whose bucket holds ratios to the plain step: the plain step's prediction
+        times their median. Otherwise the cell of ``tokens``' bucket, moved along the mode's
+        slope to ``tokens``; without one, a line through the mode's cells. The slope and the
+        line are least squares, weighted by closeness in buckets (Gaussian, one bucket wide) and
+        samples (up to 4), so
         a noisy cell is smoothed by its neighbours. Flat below the smallest cell."""
         cells = [c for (k, m, _), c in self.cells.items() if k == kind and m == mode]
         if not cells:
             return None
         tokens = max(tokens, min(c.tokens for c in cells))
         own = self.cells.get((kind, mode, bucket_of(tokens)))
+        if mode != "off" and own is not None and own.vs_off is not None:
+            off = self.predict(kind, "off", tokens)
+            if off is not None:
+                return off * own.vs_off
         if len(cells) == 1:
             return cells[0].seconds * tokens / cells[0].tokens  # proportional above
         x = math.log2(tokens)
@@ -141,6 +172,8 @@ class OverlapCostModel:
         for (kind, mode, bucket), c in sorted(self.cells.items()):
             row = dict(bucket=bucket, tokens=round(c.tokens, 1), seconds=round(c.seconds, 6),
                        comm_seconds=round(c.comm_seconds, 6), samples=c.samples)  # fmt: skip
+            if c.vs_off is not None:
+                row["vs_off"] = round(c.vs_off, 4)
             out.setdefault(kind, {}).setdefault(mode, []).append(row)
         return out
 
@@ -190,7 +223,12 @@ class OverlapPolicy:
     def observe(self, kind: str, mode: str, tokens: int, seconds: float, comm_seconds: float):
         """A step's measurement. Calibration's samples count like serving's: the median of a
         cell's three passes drops the first one's first-use costs (fresh pages)."""
-        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step)
+        relative = not self.calibrating
+        self.model.observe(kind, mode, tokens, seconds, comm_seconds, self.step, relative)
+
+    def end_calibration(self) -> None:
+        self.calibrating = False
+        self.model.seed_vs_off()
 
     def _worth_measuring(self, kind: str, tokens: int, modes: list[str]) -> list[str]:
         share = self.model.comm_share(kind, tokens)

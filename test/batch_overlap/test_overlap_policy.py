@@ -72,11 +72,12 @@ def test_hysteresis_keeps_the_mode_within_the_margin():
     # tbo slows to 0.092: still faster than off, tbo stays
     chosen = run(policy, "decode", 100, {"off": 0.100, "tbo": 0.092}, 10)
     assert set(chosen) == {"tbo"}
-    # off is measured faster than tbo: it switches, and stays
+    # off is measured faster: tbo's ratio to off was measured against the old off, so it
+    # takes most of tbo's window (three steps) measured against the new one to switch
     for _ in range(3):
         policy.observe("decode", "off", 100, 0.080, 0.04)
-    chosen = run(policy, "decode", 100, {"off": 0.080, "tbo": 0.092}, 5)
-    assert chosen == ["off"] * 5
+    chosen = run(policy, "decode", 100, {"off": 0.080, "tbo": 0.092}, 8)
+    assert chosen == ["tbo"] * 3 + ["off"] * 5
 
 
 def test_an_overlap_needs_a_clear_gain_to_replace_the_plain_step():
@@ -122,9 +123,10 @@ def test_remeasuring_follows_a_change():
     run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07}, 8)
     # the link got faster: tbo now loses; off, re-measured every 4th step, shows it
     chosen = run(policy, "decode", 64, {"off": 0.05, "tbo": 0.07}, 32)
-    # off's re-measures at visits 12, 16 and 20 make most of its window; from visit 21 off
-    # runs, and tbo, now 47 % behind, is not re-measured again within these 32 visits
-    assert chosen[:3] == ["tbo"] * 3 and chosen[12:] == ["off"] * 20
+    # off's re-measures at visits 12, 16 and 20 make most of its window; three more tbo
+    # steps measured against it, and from visit 25 off runs; tbo, now 47 % behind, is not
+    # re-measured again within these 32 visits
+    assert chosen[:3] == ["tbo"] * 3 and chosen[16:] == ["off"] * 16
     assert policy.current[("decode", bucket_of(64))] == "off"
 
 
@@ -229,9 +231,25 @@ def test_calibration_runs_each_mode_three_times_and_keeps_the_median():
     assert policy.num_calibration_steps == 9 and policy.step_counts == {}
     medians = {m: policy.model.cell("decode", m, bucket_of(64)).seconds for m in ALL}
     assert medians == {"off": 0.11, "tbo": 0.10, "sbo": 0.12}
-    policy.calibrating = False
+    policy.end_calibration()
     # measured: no exploration left; tbo's 9 % gain is under the bar an overlap must clear
     assert policy.choose("decode", 64, ALL) == "off" and policy.num_explored == 0
+
+
+def test_an_overlap_is_weighed_against_the_plain_step_measured_alongside():
+    """Calibrated on a quiet machine (tbo 20 % slower), served under load that slows every
+    mode by 40 %: the loaded plain step is not compared with the quiet tbo."""
+    policy = OverlapPolicy(modes=("off", "tbo"), calibrating=True, remeasure_every=4)
+    for _ in range(3):
+        for _ in range(2):
+            mode = policy.choose("decode", 64, ALL)
+            policy.observe("decode", mode, 64, {"off": 0.10, "tbo": 0.12}[mode], 0.05)
+    policy.end_calibration()
+    assert policy.model.cell("decode", "tbo", bucket_of(64)).vs_off == pytest.approx(1.2)
+    chosen = run(policy, "decode", 64, {"off": 0.14, "tbo": 0.168}, 24)
+    assert chosen == ["off"] * 24  # tbo's quiet 0.12 alone would have won; 26 % behind, it
+    # also waits 64 visits for a re-measure
+    assert policy.model.predict("decode", "tbo", 64) == pytest.approx(0.168)
 
 
 def test_calibration_ladder():
