@@ -8,9 +8,11 @@ direction), then, with one rank per node pinned to its own core (``taskset``):
   two-batch overlap and once for single-batch overlap: step latency off and on, prefill and
   decode, in one run each, and the share of the all-to-all time hidden;
 - ``python -m launch_server`` on every node (overlap off, TBO, SBO and ``--overlap-mode auto``
-  in turn), waits for node 0's ``/health``, and runs ``bench_serving.py`` from inside node 0's
-  namespace against it: one warm-up burst, then ``--serving-runs`` measured bursts with prompts
-  of their own, the median burst reported (for auto it also keeps the policy's choices from
+  in turn, ``--serving-servers`` fresh servers per mode, the order reversed on every other pass
+  so that a drift of the machine weighs on every mode alike), waits for node 0's ``/health``,
+  and runs ``bench_serving.py`` from inside node 0's namespace against it: one warm-up burst,
+  then ``--serving-runs`` measured bursts with prompts of their own; a mode's figure pools all
+  its measured bursts (tokens over seconds; for auto it also keeps the policy's choices from
   /get_server_info);
 then stops every process and removes the namespaces and links, also on failure or Ctrl-C.
 Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OUT/step_time.png``.
@@ -68,9 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per burst")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
-        "--serving-runs", type=int, default=5,
+        "--serving-runs", type=int, default=4,
         help="measured bench_serving bursts per server, after one warm-up burst, each with "
-        "its own prompts; the median burst (by output tok/s) is reported",
+        "its own prompts",
+    )  # fmt: skip
+    p.add_argument(
+        "--serving-servers", type=int, default=2,
+        help="fresh servers per serving mode, in passes over the modes whose order alternates; "
+        "a mode's output tok/s pools the measured bursts of all its servers",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", default=None, metavar="DIR", help="node 0's op timelines")
@@ -81,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(missing)
     if args.serving_runs < 1:
         p.error("--serving-runs must be at least 1")
+    if args.serving_servers < 1:
+        p.error("--serving-servers must be at least 1")
     if args.quick:
         args.link_rate, args.batch_size = args.link_rate[:1], args.batch_size[-1:]
         args.repeat = min(args.repeat, 2)
@@ -157,7 +166,8 @@ def _node0_json(cluster, url: str) -> dict:
 
 
 def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
-    """launch_server on every node with ``mode``'s overlap, bench_serving from node 0."""
+    """launch_server on every node with ``mode``'s overlap, bench_serving from node 0: the
+    measured bursts' records (and for auto, the policy's report)."""
     base = f"http://{cluster.addrs[0]}:{HTTP_PORT}"
     servers, logs = [], []
     for i in range(args.nodes):
@@ -189,9 +199,7 @@ def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
                 rc = subprocess.run(argv, stdout=log, stderr=log, timeout=args.timeout).returncode
                 if rc:
                     raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
-        bursts = [json.loads(line) for line in record.read_text().splitlines()[1:]]
-        result = sorted(bursts, key=lambda r: r["output_throughput"])[(len(bursts) - 1) // 2]
-        result["burst_output_throughputs"] = [r["output_throughput"] for r in bursts]
+        result: dict = {"bursts": [json.loads(ln) for ln in record.read_text().splitlines()[1:]]}
         if mode == "auto":  # what the policy chose, and its estimates (node 0, DP group 0)
             info = _node0_json(cluster, base + "/get_server_info")
             result["overlap"] = info["internal_states"][0]["overlap"]
@@ -224,13 +232,54 @@ def run_rate(args, rate: str, out: Path) -> dict:
                           f"hidden {row['prefill_hidden_fraction']:.0%} / "
                           f"{row['decode_hidden_fraction']:.0%}", flush=True)  # fmt: skip
         if not args.no_serving:
-            point["serving"] = {}
-            for mode in SERVING_FLAGS:
-                rec = run_serving(args, cluster, mode, out, tag)
-                point["serving"][mode] = rec
-                print(f"  serving {mode}: {rec['output_throughput']:.1f} output tok/s, "
-                      f"{rec['total_throughput']:.1f} total tok/s", flush=True)  # fmt: skip
+            point["serving"] = run_serving_modes(args, cluster, out, tag)
     return point
+
+
+def serving_order(modes: list[str], passes: int) -> list[tuple[int, str]]:
+    """(pass, mode) in run order: every pass over the modes, every other one reversed
+    (off, TBO, SBO, auto, auto, SBO, TBO, off, ...), so that a drift weighs on every mode alike."""
+    return [(i, m) for i in range(passes) for m in (modes if i % 2 == 0 else modes[::-1])]
+
+
+def run_serving_modes(args, cluster, out: Path, tag: str) -> dict:
+    runs: dict[str, list[dict]] = {mode: [] for mode in SERVING_FLAGS}
+    for i, mode in serving_order(list(SERVING_FLAGS), args.serving_servers):
+        run = run_serving(args, cluster, mode, out, f"{tag}_s{i}")
+        runs[mode].append(run)
+        tput = [round(b["output_throughput"]) for b in run["bursts"]]
+        print(f"  serving {mode} (server {i}): bursts {tput} output tok/s", flush=True)
+    serving = {mode: pool_servers(mode_runs) for mode, mode_runs in runs.items()}
+    for mode, rec in serving.items():
+        print(f"  serving {mode}: {rec['output_throughput']:.1f} output tok/s, "
+              f"{rec['total_throughput']:.1f} total tok/s", flush=True)  # fmt: skip
+    return serving
+
+
+def pool_servers(runs: list[dict]) -> dict:
+    """One mode's figure from its servers' measured bursts: tokens over seconds of them all
+    (a burst's noise weighs by its length, not by its rank among the others); TTFT and TPOT
+    are the means over requests; auto's step counts are summed."""
+    bursts = [b for run in runs for b in run["bursts"]]
+    seconds = sum(b["duration"] for b in bursts)
+    output = sum(b["total_output_tokens"] for b in bursts)
+    requests = sum(b["completed"] for b in bursts)
+    pooled = {
+        "output_throughput": output / seconds,
+        "total_throughput": (output + sum(b["total_input_tokens"] for b in bursts)) / seconds,
+        "num_servers": len(runs),
+        "burst_output_throughputs": [b["output_throughput"] for b in bursts],
+    }
+    for key in ("mean_ttft_ms", "mean_tpot_ms"):
+        pooled[key] = sum(b[key] * b["completed"] for b in bursts) / requests
+    overlaps = [run["overlap"] for run in runs if "overlap" in run]
+    if overlaps:
+        steps: dict[str, int] = {}
+        for overlap in overlaps:
+            for key, n in overlap["num_steps"].items():
+                steps[key] = steps.get(key, 0) + n
+        pooled["overlap"] = {"num_steps": steps, "per_server": overlaps}
+    return pooled
 
 
 def _pair(rows: list[dict], batch: int) -> tuple[dict, dict]:

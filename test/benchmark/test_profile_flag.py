@@ -3,21 +3,15 @@ missing extra, when matplotlib is not installed (not after minutes of benchmarki
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmark"
+from helpers.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def emulated_cluster():
-    spec = importlib.util.spec_from_file_location("emulated_cluster", BENCH / "emulated_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("emulated_cluster")
 
 
 def test_profile_without_matplotlib_is_refused_at_start(emulated_cluster, monkeypatch, capsys):
@@ -38,9 +32,7 @@ def test_bench_one_batch_refuses_profile_without_matplotlib(emulated_cluster, mo
     import op_timeline  # importable: emulated_cluster put the benchmark directory on the path
 
     monkeypatch.setattr(op_timeline, "matplotlib_missing", lambda: "--profile needs Y")
-    spec = importlib.util.spec_from_file_location("bench_one_batch", BENCH / "bench_one_batch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_one_batch")
     monkeypatch.setattr(sys, "argv", ["bench_one_batch.py", "--model-path", "m", "--profile", "d"])
     with pytest.raises(SystemExit) as exit_info:
         module.parse_args()
