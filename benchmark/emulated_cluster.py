@@ -7,12 +7,11 @@ direction), then, with one rank per node pinned to its own core (``taskset``):
 - ``bench_one_batch.py --compare-overlap`` on every node (``--nnodes/--node-rank``), once for
   two-batch overlap and once for single-batch overlap: step latency off and on, prefill and
   decode, in one run each, and the share of the all-to-all time hidden;
-- ``python -m launch_server`` on every node (overlap off, TBO, SBO and ``--overlap-mode auto``
-  in turn, ``--serving-servers`` fresh servers per mode, the order reversed on every other pass
-  so that a drift of the machine weighs on every mode alike), waits for node 0's ``/health``,
-  and runs ``bench_serving.py`` from inside node 0's namespace against it: one warm-up burst,
-  then ``--serving-runs`` measured bursts with prompts of their own; a mode's figure pools all
-  its measured bursts (tokens over seconds; for auto it also keeps the policy's choices from
+- the serving phase (``emulated_serving.py``): a server per overlap mode (off, TBO, SBO,
+  ``--overlap-mode auto``) on every node, all up at once, and ``bench_serving.py`` bursts from
+  inside node 0's namespace sent to them in turn: one warm-up burst each, then
+  ``--serving-runs`` rounds of one burst per mode, the order reversed every other round; a
+  mode's figure pools its measured bursts (for auto it also keeps the policy's choices from
   /get_server_info);
 then stops every process and removes the namespaces and links, also on failure or Ctrl-C.
 Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OUT/step_time.png``.
@@ -41,11 +40,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+from emulated_serving import run_serving_modes  # noqa: E402
 from make_random_model import make_mid_size_model  # noqa: E402
 from netns import create_cluster, exit_on_signals, format_selftest, link_selftest  # noqa: E402
 from op_timeline import matplotlib_missing  # noqa: E402
 
-DIST_PORT, HTTP_PORT = 29650, 30000
+DIST_PORT = 29650  # the server in serving slot k uses DIST_PORT + 20 (k + 1) and up
 # bench_one_batch measures the overlap itself: every step splits (thresholds 0). The servers
 # run as users would, with the default thresholds.
 OVERLAP_FLAGS = {
@@ -70,14 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per burst")
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
-        "--serving-runs", type=int, default=4,
-        help="measured bench_serving bursts per server, after one warm-up burst, each with "
-        "its own prompts",
+        "--serving-runs", type=int, default=8,
+        help="measured rounds: one bench_serving burst per mode each, after one warm-up burst "
+        "per server, each round with prompts of its own",
     )  # fmt: skip
     p.add_argument(
-        "--serving-servers", type=int, default=2,
-        help="fresh servers per serving mode, in passes over the modes whose order alternates; "
-        "a mode's output tok/s pools the measured bursts of all its servers",
+        "--serving-servers", type=int, default=1,
+        help="times the serving phase runs with fresh servers; a mode's output tok/s pools "
+        "the measured bursts of all its servers",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true")
     p.add_argument("--profile", default=None, metavar="DIR", help="node 0's op timelines")
@@ -102,13 +102,13 @@ def _pinned(cluster, i: int, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(cores[i % len(cores)]), *argv]
 
 
-def _parallel_flags(args, cluster, i: int) -> list[str]:
+def _parallel_flags(args, cluster, i: int, dist_port: int = DIST_PORT) -> list[str]:
     n = args.nodes
     return [
         "--model-path", args.model_path, "--tp", str(n), "--dp", str(n), "--enable-dp-attention",
         "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
         "--nnodes", str(n), "--node-rank", str(i),
-        "--dist-init-addr", f"{cluster.addrs[0]}:{DIST_PORT}",
+        "--dist-init-addr", f"{cluster.addrs[0]}:{dist_port}",
     ]  # fmt: skip
 
 
@@ -145,77 +145,6 @@ def run_one_batch(args, cluster, mode: str, out: Path, tag: str) -> list[dict]:
     return [json.loads(line) for line in result.read_text().splitlines()]
 
 
-def _node0_http_ok(cluster, url: str) -> bool:
-    probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=2)"
-    cmd = cluster.exec_argv(0, [sys.executable, "-c", probe])
-    return subprocess.run(cmd, capture_output=True).returncode == 0
-
-
-SERVING_FLAGS = {
-    "off": [],
-    "tbo": ["--enable-two-batch-overlap"],
-    "sbo": ["--enable-single-batch-overlap"],
-    "auto": ["--overlap-mode", "auto"],
-}
-
-
-def _node0_json(cluster, url: str) -> dict:
-    probe = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=10).read().decode())"
-    cmd = cluster.exec_argv(0, [sys.executable, "-c", probe])
-    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-
-
-def run_serving(args, cluster, mode: str, out: Path, tag: str) -> dict:
-    """launch_server on every node with ``mode``'s overlap, bench_serving from node 0: the
-    measured bursts' records (and for auto, the policy's report)."""
-    base = f"http://{cluster.addrs[0]}:{HTTP_PORT}"
-    servers, logs = [], []
-    for i in range(args.nodes):
-        argv = [sys.executable, "-m", "launch_server", *_parallel_flags(args, cluster, i),
-                *SERVING_FLAGS[mode], "--host", cluster.addrs[0], "--port", str(HTTP_PORT),
-                "--max-running-requests", "64", "--log-level", "warning"]  # fmt: skip
-        logs.append(out / f"server_{tag}_{mode}_node{i}.log")
-        with open(logs[-1], "w") as log:
-            servers.append(cluster.popen(i, _pinned(cluster, i, argv), stdout=log, stderr=log))
-    try:
-        deadline = time.monotonic() + args.timeout
-        while not _node0_http_ok(cluster, base + "/health"):
-            dead = [log.name for s, log in zip(servers, logs) if s.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready ({dead or 'timeout'}); see {logs[0]}")
-            time.sleep(1.0)
-        record = out / f"serving_{tag}_{mode}.jsonl"
-        record.unlink(missing_ok=True)
-        bench = [sys.executable, str(BENCH / "bench_serving.py"), "--base-url", base,
-                 "--num-prompts", str(args.num_prompts), "--random-input-len", "64",
-                 "--random-output-len", "16", "--random-range-ratio", "1.0",
-                 "--disable-tqdm", "--output-file", str(record)]  # fmt: skip
-        log_path = out / f"bench_serving_{tag}_{mode}.log"
-        with open(log_path, "w") as log:
-            # Burst 0 warms the server up. A seed per burst: the same prompts again would come
-            # from the prefix cache, with no prefill.
-            for burst in range(1 + args.serving_runs):
-                argv = cluster.exec_argv(0, [*bench, "--seed", str(burst + 1)])
-                rc = subprocess.run(argv, stdout=log, stderr=log, timeout=args.timeout).returncode
-                if rc:
-                    raise RuntimeError(f"bench_serving exited with {rc}; see {log_path}")
-        result: dict = {"bursts": [json.loads(ln) for ln in record.read_text().splitlines()[1:]]}
-        if mode == "auto":  # what the policy chose, and its estimates (node 0, DP group 0)
-            info = _node0_json(cluster, base + "/get_server_info")
-            result["overlap"] = info["internal_states"][0]["overlap"]
-        return result
-    finally:
-        for s in servers:  # node 0 first: the others follow its lifetime
-            if s.poll() is None:
-                os.killpg(s.pid, 15)
-        for s in servers:
-            try:
-                s.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(s.pid, 9)
-                s.wait()
-
-
 def run_rate(args, rate: str, out: Path) -> dict:
     shaped = None if rate == "unshaped" else rate
     tag = rate.replace(".", "p")
@@ -232,54 +161,14 @@ def run_rate(args, rate: str, out: Path) -> dict:
                           f"hidden {row['prefill_hidden_fraction']:.0%} / "
                           f"{row['decode_hidden_fraction']:.0%}", flush=True)  # fmt: skip
         if not args.no_serving:
-            point["serving"] = run_serving_modes(args, cluster, out, tag)
+
+            def launch(i: int, slot: int, extra: list[str], log):
+                flags = _parallel_flags(args, cluster, i, DIST_PORT + 20 * (slot + 1))
+                argv = [sys.executable, "-m", "launch_server", *flags, *extra]
+                return cluster.popen(i, _pinned(cluster, i, argv), stdout=log, stderr=log)
+
+            point["serving"] = run_serving_modes(args, cluster, out, tag, launch)
     return point
-
-
-def serving_order(modes: list[str], passes: int) -> list[tuple[int, str]]:
-    """(pass, mode) in run order: every pass over the modes, every other one reversed
-    (off, TBO, SBO, auto, auto, SBO, TBO, off, ...), so that a drift weighs on every mode alike."""
-    return [(i, m) for i in range(passes) for m in (modes if i % 2 == 0 else modes[::-1])]
-
-
-def run_serving_modes(args, cluster, out: Path, tag: str) -> dict:
-    runs: dict[str, list[dict]] = {mode: [] for mode in SERVING_FLAGS}
-    for i, mode in serving_order(list(SERVING_FLAGS), args.serving_servers):
-        run = run_serving(args, cluster, mode, out, f"{tag}_s{i}")
-        runs[mode].append(run)
-        tput = [round(b["output_throughput"]) for b in run["bursts"]]
-        print(f"  serving {mode} (server {i}): bursts {tput} output tok/s", flush=True)
-    serving = {mode: pool_servers(mode_runs) for mode, mode_runs in runs.items()}
-    for mode, rec in serving.items():
-        print(f"  serving {mode}: {rec['output_throughput']:.1f} output tok/s, "
-              f"{rec['total_throughput']:.1f} total tok/s", flush=True)  # fmt: skip
-    return serving
-
-
-def pool_servers(runs: list[dict]) -> dict:
-    """One mode's figure from its servers' measured bursts: tokens over seconds of them all
-    (a burst's noise weighs by its length, not by its rank among the others); TTFT and TPOT
-    are the means over requests; auto's step counts are summed."""
-    bursts = [b for run in runs for b in run["bursts"]]
-    seconds = sum(b["duration"] for b in bursts)
-    output = sum(b["total_output_tokens"] for b in bursts)
-    requests = sum(b["completed"] for b in bursts)
-    pooled = {
-        "output_throughput": output / seconds,
-        "total_throughput": (output + sum(b["total_input_tokens"] for b in bursts)) / seconds,
-        "num_servers": len(runs),
-        "burst_output_throughputs": [b["output_throughput"] for b in bursts],
-    }
-    for key in ("mean_ttft_ms", "mean_tpot_ms"):
-        pooled[key] = sum(b[key] * b["completed"] for b in bursts) / requests
-    overlaps = [run["overlap"] for run in runs if "overlap" in run]
-    if overlaps:
-        steps: dict[str, int] = {}
-        for overlap in overlaps:
-            for key, n in overlap["num_steps"].items():
-                steps[key] = steps.get(key, 0) + n
-        pooled["overlap"] = {"num_steps": steps, "per_server": overlaps}
-    return pooled
 
 
 def _pair(rows: list[dict], batch: int) -> tuple[dict, dict]:

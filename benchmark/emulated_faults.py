@@ -37,7 +37,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from emulated_cluster import HTTP_PORT, _node0_http_ok, _parallel_flags  # noqa: E402
+from emulated_cluster import _parallel_flags  # noqa: E402
+from emulated_serving import HTTP_PORT, node0_http_ok  # noqa: E402
 from netns import create_cluster, exit_on_signals  # noqa: E402
 
 FAULTS = ("rank-kill", "link-flap", "link-down")
@@ -160,7 +161,7 @@ def start_servers(args, cluster, out: Path, fault: str) -> tuple[list, list[Path
             servers.append(cluster.popen(i, argv, stdout=log, stderr=subprocess.STDOUT))
     base = f"http://{cluster.addrs[0]}:{HTTP_PORT}"
     deadline = time.monotonic() + 300
-    while not _node0_http_ok(cluster, base + "/health"):
+    while not node0_http_ok(cluster, base + "/health"):
         if any(s.poll() is not None for s in servers) or time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start; see {logs[0]}")
         time.sleep(0.5)
@@ -202,7 +203,7 @@ def run_fault(args, fault: str, out: Path) -> dict:
         inject(args, cluster, fault, servers)
         if fault == "link-flap":
             row["streams"] = [json.loads(line) for line in client.stdout]
-            row["healthy_after"] = _node0_http_ok(cluster, base + "/health")
+            row["healthy_after"] = node0_http_ok(cluster, base + "/health")
             servers[0].send_signal(signal.SIGTERM)
         limit = args.watchdog_timeout + EXIT_SLACK_S
         codes = [_wait(s, fault_at + limit + 30 - time.monotonic()) for s in servers]
