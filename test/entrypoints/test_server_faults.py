@@ -81,7 +81,11 @@ def test_full_queue_answers_503_and_the_server_recovers(qwen3_moe_path: str) -> 
             assert http.get("/ready").json() == {"status": "ready"}
             with open_stream(http, LONG), stopped(scheduler):
                 with ThreadPoolExecutor(1) as pool:
-                    queued = pool.submit(httpx.post, server.url + "/generate", json=short)
+                    # It waits for the stopped scheduler: longer than httpx's default 5 s
+                    # read timeout on a slow machine.
+                    queued = pool.submit(
+                        httpx.post, server.url + "/generate", json=short, timeout=60.0
+                    )
                     deadline = time.monotonic() + 10
                     while http.get("/ready").status_code == 200 and time.monotonic() < deadline:
                         time.sleep(0.05)
