@@ -49,7 +49,7 @@ class ServingServer:
     """One mode's server on every node; ``slot`` picks its ports."""
 
     def __init__(self, args, cluster, mode: str, slot: int, out: Path, tag: str, launch):
-        self.args, self.cluster, self.mode = args, cluster, mode
+        self.args, self.cluster = args, cluster
         port = HTTP_PORT + slot
         self.base = f"http://{cluster.addrs[0]}:{port}"
         self.record = out / f"serving_{tag}_{mode}.jsonl"
