@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64, help="bench_serving prompts per burst")
+    p.add_argument(
+        "--serving-output-len", type=int, default=64,
+        help="output tokens per prompt of a serving burst (64 input tokens each)",
+    )  # fmt: skip
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
         "--serving-runs", type=int, default=8,
@@ -86,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profile and (missing := matplotlib_missing()):
         p.error(missing)
+    if args.serving_output_len < 1:
+        p.error("--serving-output-len must be at least 1")
     if args.serving_runs < 1:
         p.error("--serving-runs must be at least 1")
     if args.serving_servers < 1:

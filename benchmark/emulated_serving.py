@@ -75,7 +75,8 @@ class ServingServer:
         """One bench_serving burst; its record."""
         bench = [sys.executable, str(BENCH / "bench_serving.py"), "--base-url", self.base,
                  "--num-prompts", str(self.args.num_prompts), "--random-input-len", "64",
-                 "--random-output-len", "16", "--random-range-ratio", "1.0", "--disable-tqdm",
+                 "--random-output-len", str(self.args.serving_output_len),
+                 "--random-range-ratio", "1.0", "--disable-tqdm",
                  "--output-file", str(self.record), "--seed", str(seed)]  # fmt: skip
         with open(self.bench_log, "a") as log:
             argv = self.cluster.exec_argv(0, bench)

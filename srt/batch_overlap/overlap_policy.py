@@ -35,10 +35,13 @@ each mode three times (the median stands), so that the first requests meet a mea
   only for a gain of about 10 % and left as soon as the plain step is predicted faster (the
   plain step is the safe choice when measurements are noisy and the modes close);
 - every ``remeasure_every``-th step of a bucket, the other mode sampled longest ago, so
-  estimates stay true as lengths and load change (the same pruning as exploration); an
-  overlap predicted more than ``far_behind`` slower than the current mode only every
-  ``far_remeasure_every``-th step (each such sample costs its whole deficit), the plain step
-  always at the full rate.
+  estimates stay true as lengths and load change (the same pruning as exploration); the
+  plain step always at that rate, an overlap less often the more it costs and the longer it
+  stays behind: one predicted more than ``far_behind`` slower than the current mode waits
+  ``far_remeasure_every`` steps of its bucket (each such sample costs its whole deficit), and
+  each re-measure that leaves an overlap still behind doubles its wait, up to
+  ``max_remeasure_every``; the wait starts over once it is predicted, or its newest sample
+  measured, at least as fast as the current mode.
 
 Every rank holds its own policy and must choose the same mode (the modes run different
 collectives). It does: the inputs are the same everywhere, since the tokens and the modes a
@@ -158,6 +161,16 @@ class OverlapCostModel:
             return max(0.0, own.seconds + slope * (tokens - own.tokens))
         return mean_t + slope * (tokens - mean_n)
 
+    def predict_newest(self, kind: str, mode: str, tokens: int) -> float:
+        """``predict`` from an overlap's newest ratio to the plain step alone (one sample moves
+        no median, but can show that a mode left behind is worth measuring again); infinite
+        where there is none."""
+        own = self.cells.get((kind, mode, bucket_of(tokens)))
+        off = self.predict(kind, "off", tokens) if mode != "off" else None
+        if own is None or not own.recent_vs_off or off is None:
+            return math.inf
+        return off * own.recent_vs_off[-1]
+
     def comm_share(self, kind: str, tokens: int) -> float | None:
         """The plain step's all-to-all share of its time in ``tokens``' bucket (None: not
         measured)."""
@@ -189,12 +202,14 @@ class OverlapPolicy:
     remeasure_every: int = 16
     far_behind: float = 0.25
     far_remeasure_every: int = 64
+    max_remeasure_every: int = 1024
     min_comm_share: float = 0.03
     model: OverlapCostModel = field(default_factory=OverlapCostModel)
     step: int = 0
     current: dict[tuple[str, int], str] = field(default_factory=dict)  # by (kind, bucket)
     visits: dict[tuple[str, int], int] = field(default_factory=dict)
     last_visit: dict[tuple[str, int, str], int] = field(default_factory=dict)  # by mode too
+    misses: dict[tuple[str, int, str], int] = field(default_factory=dict)  # re-measures behind
     step_counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, mode) run
     num_explored: int = 0  # steps run to measure a mode rather than because it was best
     calibrating: bool = False  # start-up: each step runs the mode least sampled in its bucket
@@ -266,20 +281,33 @@ class OverlapPolicy:
         if current not in known or known[best] < known[current] * (1 - self.margin):
             current = best
         self.current[key] = current
+        for m in known:  # an overlap's wait starts over once its newest sample is not behind
+            newest = self.model.predict_newest(kind, m, tokens)
+            if m == current or min(known[m], newest * bias[m]) <= known[current]:
+                self.misses.pop((kind, bucket, m), None)
         if visit % self.remeasure_every == 0:
             others = [
                 m
                 for m in worth_measuring
                 if m != current
-                and (
-                    m == "off"  # the safe choice is re-measured at the full rate
-                    or known[m] <= known[current] * (1 + self.far_behind)
-                    or visit - self.last_visit.get((kind, bucket, m), 0) >= self.far_remeasure_every
-                )
+                and visit - self.last_visit.get((kind, bucket, m), 0)
+                >= self._remeasure_wait(kind, bucket, m, known[m] / known[current])
             ]
             if others:
-                return min(others, key=lambda m: self.model.cell(kind, m, bucket).last_step), True
+                mode = min(others, key=lambda m: self.model.cell(kind, m, bucket).last_step)
+                if mode != "off":
+                    self.misses[(kind, bucket, mode)] = self.misses.get((kind, bucket, mode), 0) + 1
+                return mode, True
         return current, False
+
+    def _remeasure_wait(self, kind: str, bucket: int, mode: str, behind: float) -> int:
+        """Visits of its bucket that ``mode`` (not the current one) waits between re-measures;
+        ``behind``: its prediction over the current mode's."""
+        misses = self.misses.get((kind, bucket, mode), 0)
+        if mode == "off" or (misses == 0 and behind <= 1 + self.far_behind):
+            return 0  # the safe choice, and a close overlap, at every re-measuring step
+        base = self.far_remeasure_every if behind > 1 + self.far_behind else self.remeasure_every
+        return min(base << min(misses, 30), max(base, self.max_remeasure_every))
 
     def info(self) -> dict:
         """For ``/get_server_info``: steps per chosen mode, explorations, current choices and

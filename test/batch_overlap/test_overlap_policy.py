@@ -118,6 +118,19 @@ def test_a_mode_far_behind_is_remeasured_less_often():
     assert policy.num_explored == 9
 
 
+def test_an_overlap_that_stays_behind_waits_longer_and_longer():
+    policy = OverlapPolicy(modes=("off", "tbo"), remeasure_every=4, max_remeasure_every=16)
+    chosen = run(policy, "decode", 64, {"off": 0.10, "tbo": 0.11}, 64)  # tbo 10 % behind
+    # explored at visit 2, re-measured at the first re-measuring visit (4), then after
+    # waits of 8, 16 visits and 16 again (the cap)
+    assert [v for v, mode in enumerate(chosen, 1) if mode == "tbo"] == [2, 4, 12, 28, 44, 60]
+    # the link got slower: tbo's next sample (visit 76) shows it ahead, so it is re-measured
+    # at every re-measuring visit again until its median follows and it runs
+    chosen = run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07}, 32)
+    assert [v for v, mode in enumerate(chosen, 65) if mode == "tbo"][:3] == [76, 80, 84]
+    assert policy.current[("decode", bucket_of(64))] == "tbo"
+
+
 def test_remeasuring_follows_a_change():
     policy = OverlapPolicy(modes=("off", "tbo"), remeasure_every=4)
     run(policy, "decode", 64, {"off": 0.10, "tbo": 0.07}, 8)

@@ -22,8 +22,8 @@ def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
     argv = [
         sys.executable, str(ROOT / "benchmark" / "emulated_cluster.py"), "--nodes", "2",
         "--link-rate", "1gbit", "--quick", "--model-path", qwen3_moe_path, "--batch-size", "8",
-        "--num-prompts", "4", "--serving-runs", "1", "--out-dir", str(tmp_path),
-        "--timeout", "240",
+        "--num-prompts", "4", "--serving-output-len", "8", "--serving-runs", "1",
+        "--out-dir", str(tmp_path), "--timeout", "240",
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

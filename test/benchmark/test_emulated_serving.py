@@ -58,7 +58,8 @@ def test_pool_sums_auto_steps(emulated_serving):
     assert len(pooled["overlap"]["per_server"]) == 2
 
 
-def test_serving_servers_must_be_positive(emulated_cluster, capsys):
+@pytest.mark.parametrize("flag", ["--serving-servers", "--serving-output-len"])
+def test_serving_counts_must_be_positive(emulated_cluster, capsys, flag):
     with pytest.raises(SystemExit):
-        emulated_cluster.parse_args(["--serving-servers", "0"])
-    assert "--serving-servers must be at least 1" in capsys.readouterr().err
+        emulated_cluster.parse_args([flag, "0"])
+    assert f"{flag} must be at least 1" in capsys.readouterr().err
