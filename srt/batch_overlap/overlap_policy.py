@@ -281,11 +281,13 @@ class OverlapPolicy:
         if current not in known or known[best] < known[current] * (1 - self.margin):
             current = best
         self.current[key] = current
-        for m in known:  # an overlap's wait starts over once its newest sample is not behind
-            newest = self.model.predict_newest(kind, m, tokens)
-            if m == current or min(known[m], newest * bias[m]) <= known[current]:
-                self.misses.pop((kind, bucket, m), None)
+        self.misses.pop((kind, bucket, current), None)
         if visit % self.remeasure_every == 0:
+            # an overlap's wait starts over once it, or its newest sample, is level
+            for m in known:
+                newest = self.model.predict_newest(kind, m, tokens)
+                if min(known[m], newest * bias[m]) <= known[current]:
+                    self.misses.pop((kind, bucket, m), None)
             others = [
                 m
                 for m in worth_measuring
