@@ -31,12 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
     EPLayout,
-    PendingWork,
     RowFormat,
 )
 

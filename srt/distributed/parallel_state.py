@@ -16,10 +16,11 @@ Design
 - ``torch.distributed.new_group`` must be called by every rank, for every group, in the same
   order; :func:`build_parallel_state` does so for all partitions, keeping the group it belongs to.
   A partition that is the whole world reuses the world's groups.
-- ``moe_ep_duplex``: with an all-to-all MoE backend on gloo, a second device group over the EP
-  ranks, so the token dispatchers can split a large exchange by link direction (one gloo group
-  streams one way at a time; see ``srt.layers.moe.token_dispatcher.torch_a2a``). nccl
-  all-to-alls are full duplex already, so it is not created there.
+- ``world_duplex``: on gloo, with an all-to-all MoE backend or DP attention, a second device
+  group over the world, so exchanges can go point to point split by link direction (one gloo
+  group streams one way at a time; see ``srt.distributed.p2p``): the token dispatchers'
+  (``moe_ep_duplex``: the EP group is the world with an all-to-all backend) and the LM head's
+  over the world. nccl collectives are full duplex already, so it is not created there.
 - ``moe_ep_combine``: with single-batch overlap on nccl, an EP device group of its own for the
   blocked combine, on a high-priority stream and limited to ``sbo_combine_ctas`` CTAs (one per
   SM): the communication side of SBO's SM split (``srt.batch_overlap.single_batch_overlap``).
@@ -113,7 +114,7 @@ class ParallelState:
     attn_tp: GroupCoordinator
     moe_ep: GroupCoordinator
     moe_tp: GroupCoordinator
-    moe_ep_duplex: dist.ProcessGroup | None = None  # second EP device group (gloo, a2a only)
+    world_duplex: dist.ProcessGroup | None = None  # second world device group (gloo only)
     moe_ep_combine: dist.ProcessGroup | None = None  # SBO's combine group (nccl only)
     owns_world: bool = False  # init_parallel_state created the default process group
     destroyed: bool = field(default=False, repr=False)
@@ -171,10 +172,23 @@ class ParallelState:
         return self.moe_ep.world_size
 
     @property
+    def moe_ep_duplex(self) -> dist.ProcessGroup | None:
+        """The second EP device group: the world's (an all-to-all backend's EP group is the
+        world)."""
+        return self.world_duplex if self.config.moe_a2a_backend != "none" else None
+
+    @property
     def moe_ep_device_groups(self) -> tuple[dist.ProcessGroup, ...]:
         """The EP device group, then the duplex one when there is one (dispatcher ``groups``)."""
         groups = (self.moe_ep.device_group, self.moe_ep_duplex)
         return tuple(g for g in groups if g is not None)
+
+    @property
+    def world_device_groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """The world's device group and its duplex twin (gloo); empty without the twin."""
+        if self.world_duplex is None:
+            return ()
+        return (self.world.device_group, self.world_duplex)
 
     @property
     def moe_tp_rank(self) -> int:
@@ -200,7 +214,7 @@ class ParallelState:
             for c in (self.world, self.attn_tp, self.moe_ep, self.moe_tp)
             for g in (c.device_group, c.cpu_group)
         }
-        for extra in (self.moe_ep_duplex, self.moe_ep_combine):
+        for extra in (self.world_duplex, self.moe_ep_combine):
             if extra is not None:
                 own[id(extra)] = extra
         for group in own.values():
@@ -245,7 +259,7 @@ def build_parallel_state(
         attn_tp=make("attn_tp", config.attn_tp_group_ranks()),
         moe_ep=make("moe_ep", config.moe_ep_group_ranks()),
         moe_tp=make("moe_tp", config.moe_tp_group_ranks()),
-        moe_ep_duplex=_duplex_group(config, rank, timeout),
+        world_duplex=_duplex_group(config, timeout),
         moe_ep_combine=_combine_group(config, rank, timeout, sbo_combine_ctas),
     )
 
@@ -260,13 +274,13 @@ def _extra_ep_group(config: ParallelConfig, rank: int, **new_group_kwargs) -> di
     return mine
 
 
-def _duplex_group(
-    config: ParallelConfig, rank: int, timeout: timedelta | None
-) -> dist.ProcessGroup | None:
-    """The second EP device group (see the module docstring)."""
-    if config.moe_a2a_backend == "none" or dist.get_backend() != "gloo":
+def _duplex_group(config: ParallelConfig, timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """The second world device group (see the module docstring)."""
+    if dist.get_backend() != "gloo":
         return None
-    return _extra_ep_group(config, rank, timeout=timeout, backend="gloo")
+    if config.moe_a2a_backend == "none" and config.attn_dp_size == 1:
+        return None
+    return dist.new_group(list(range(config.tp_size)), timeout=timeout, backend="gloo")
 
 
 def _combine_group(

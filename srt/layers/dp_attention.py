@@ -33,6 +33,7 @@ from srt.distributed.communication_op import (
     reduce_scatter,
 )
 from srt.distributed.group_coordinator import GroupCoordinator
+from srt.distributed.p2p import DuplexRows
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 if TYPE_CHECKING:
@@ -92,10 +93,22 @@ def max_chunk_tokens(batch: ForwardBatch, attn_tp_size: int) -> int:
 
 class DpRowsGather:
     """Every DP group's rows on every rank, each attention-TP rank sending its chunk (the LM
-    head without ``--enable-dp-lm-head``); ``own_rows`` takes this group's rows back out."""
+    head without ``--enable-dp-lm-head``); ``own_rows`` takes this group's rows back out.
+
+    On gloo (``parallel.world_device_groups``) both go point to point, split by link direction
+    (``srt.distributed.p2p``), and the rows of a vocabulary-sharded result come back by an
+    all-to-all: each rank receives only its group's rows of every rank's vocabulary slice,
+    instead of an all-gather of every row's slices (1/T of the logits' bytes). Elsewhere the
+    gathers are collectives."""
+
+    P2P_TAG = 1 << 20  # apart from the token dispatchers' tags on the same groups
 
     def __init__(self, parallel: ParallelState):
         self.parallel = parallel
+        groups = parallel.world_device_groups
+        self.p2p = (
+            DuplexRows(groups, parallel.rank, parallel.tp_size, self.P2P_TAG) if groups else None
+        )
 
     def gather(self, rows: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
         if counts is None:
@@ -103,11 +116,27 @@ class DpRowsGather:
         p = self.parallel
         sizes = [s for n in counts for s in chunk_sizes(n, p.attn_tp_size)]  # per world rank
         mine = attn_tp_chunk(rows, p.attn_tp_rank, p.attn_tp_size)
+        if self.p2p is not None:
+            return self.p2p.all_gather(mine, sizes)
         return all_gather_variable(p.world, mine, sizes)
 
     def own_rows(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         start = sum(counts[: self.parallel.attn_dp_rank])
         return rows[start : start + counts[self.parallel.attn_dp_rank]]
+
+    def own_rows_all_vocab(
+        self, logits: torch.Tensor, counts: list[int], vocab_group: GroupCoordinator
+    ) -> torch.Tensor:
+        """``logits`` [every group's rows, this rank's vocabulary slice] → [this group's rows,
+        every rank's slice in ``vocab_group`` order] (``vocab_group``: the world)."""
+        p = self.parallel
+        if self.p2p is None:
+            return self.own_rows(all_gather(vocab_group, logits, dim=-1), counts)
+        starts = [sum(counts[:d]) for d in range(len(counts))]
+        group_of = [r // p.attn_tp_size for r in range(p.tp_size)]
+        blocks = [logits[starts[d] : starts[d] + counts[d]] for d in group_of]
+        mine = counts[p.attn_dp_rank]
+        return torch.cat(self.p2p.all_to_all(blocks, [mine] * p.tp_size), dim=-1)
 
 
 # ---------------------------------------------------------------------------------- MoE buffer

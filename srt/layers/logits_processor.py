@@ -92,12 +92,12 @@ class LogitsProcessor(torch.nn.Module):
     def _logits(
         self, hidden: torch.Tensor, lm_head: torch.nn.Module, batch: ForwardBatch
     ) -> torch.Tensor:
+        counts = batch.global_num_tokens_for_logprob_cpu
         if self.cross_dp is not None:
-            hidden = self.cross_dp.gather(hidden, batch.global_num_tokens_for_logprob_cpu)
+            hidden = self.cross_dp.gather(hidden, counts)
         logits = linear(hidden, lm_head.weight, packed=getattr(lm_head, "packed_weight", None))
-        if self.vocab_group is not None:
+        if self.cross_dp is not None:  # the vocabulary group is the world
+            logits = self.cross_dp.own_rows_all_vocab(logits, counts, self.vocab_group)
+        elif self.vocab_group is not None:
             logits = all_gather(self.vocab_group, logits, dim=-1)
-        logits = logits[:, : self.vocab_size].float()
-        if self.cross_dp is not None:
-            logits = self.cross_dp.own_rows(logits, batch.global_num_tokens_for_logprob_cpu)
-        return logits
+        return logits[:, : self.vocab_size].float()

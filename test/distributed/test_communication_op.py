@@ -1,5 +1,6 @@
 """Collectives on real gloo groups: the 4-rank world and its two 2-rank attention-TP groups
-(tp=4, dp=2, DP attention), against the same arithmetic done in one process."""
+(tp=4, dp=2, DP attention), and the point-to-point row exchanges on the world's two device
+groups (split by link direction), against the same arithmetic done in one process."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from helpers.run_ranks import run_ranks
 
 from srt.distributed import communication_op as comm
 from srt.distributed.group_coordinator import GroupCoordinator
+from srt.distributed.p2p import DuplexRows
 from srt.distributed.parallel_state import init_parallel_state
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -138,6 +140,27 @@ CASES: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+# name → (what world rank g runs with a DuplexRows, what it must get given (g, n)); rank 0
+# sends and receives no rows (empty messages are skipped on both sides)
+DUPLEX_CASES: dict[str, tuple[Callable, Callable]] = {
+    "all_gather": (
+        lambda rows, g: rows.all_gather(_rows(g), list(range(4))),
+        lambda g, n: torch.cat([_rows(r) for r in range(n)]),
+    ),
+    # rank g sends rank q q rows (blocks of its own), so it gets g rows from every rank
+    "all_to_all": (
+        lambda rows, g: torch.cat(
+            rows.all_to_all([_base(g, q, 2) + 10 * q for q in range(4)], [g] * 4)
+        ),
+        lambda g, n: torch.cat([_base(p, g, 2) + 10 * g for p in range(n)]),
+    ),
+    "wrong_sizes_raise": (
+        lambda rows, g: _raises(lambda: rows.all_gather(_rows(g), [9] * 4)),
+        lambda g, n: True,
+    ),
+}
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", str(value.dtype), value.float().tolist())
@@ -152,6 +175,9 @@ def _worker(rank: int, n: int, init_method: str) -> dict:
     for group in (state.world, state.attn_tp):
         g = group.rank_in_group
         out[group.name] = {name: _plain(run(group, g)) for name, (run, _) in CASES.items()}
+    out["duplex_groups"] = len(state.world_device_groups)
+    rows = DuplexRows(state.world_device_groups, rank, n, tag=7)
+    out["duplex"] = {name: _plain(run(rows, rank)) for name, (run, _) in DUPLEX_CASES.items()}
     state.destroy()
     return out
 
@@ -168,3 +194,11 @@ def test_collective(results, name, group, size):
     for rank, result in enumerate(results):
         g = rank % size
         assert result[group][name] == _plain(expected(g, size)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", DUPLEX_CASES)
+def test_duplex_rows(results, name):
+    _, expected = DUPLEX_CASES[name]
+    for rank, result in enumerate(results):
+        assert result["duplex_groups"] == 2  # gloo with DP attention: the world and its twin
+        assert result["duplex"][name] == _plain(expected(rank, 4)), f"rank {rank}"

@@ -91,6 +91,10 @@ def _describe(state: ParallelState) -> dict:
         "attn_dp_size": state.attn_dp_size,
         "tp": (state.tp_rank, state.tp_size),
         "moe": (state.moe_ep_rank, state.moe_ep.world_size, state.moe_tp_rank),
+        # the world's gloo twin (point-to-point exchanges split by direction), and whether the
+        # dispatchers get it
+        "duplex": [dist.get_process_group_ranks(g) for g in state.world_device_groups],
+        "ep_duplex": state.moe_ep_duplex is not None,
     }
     for name in GROUPS:
         group = getattr(state, name)
@@ -162,16 +166,23 @@ def _check(results: list[dict], key: str, config: ParallelConfig) -> None:
 def test_groups_tp4_dp2_dp_attention_a2a(four_ranks):
     _check(four_ranks, "dp2", ParallelConfig(4, 2, True, "torch"))
     assert [r["dp2"]["moe"] for r in four_ranks] == [(r, 4, 0) for r in range(4)]
+    assert all(
+        r["dp2"]["duplex"] == [[0, 1, 2, 3]] * 2 and r["dp2"]["ep_duplex"] for r in four_ranks
+    )
 
 
 def test_groups_tp4_dp4_dp_attention(four_ranks):
     _check(four_ranks, "dp4", ParallelConfig(4, 4, True))
     assert [r["dp4"]["moe"] for r in four_ranks] == [(0, 1, r) for r in range(4)]
+    # the LM head over the world uses the twin; no all-to-all backend, so no dispatcher does
+    assert all(r["dp4"]["duplex"] == [[0, 1, 2, 3]] * 2 for r in four_ranks)
+    assert not any(r["dp4"]["ep_duplex"] for r in four_ranks)
 
 
 def test_groups_tp4_ep2(four_ranks):
     _check(four_ranks, "ep2", ParallelConfig(4, ep_size=2))
     assert [r["ep2"]["moe"] for r in four_ranks] == [(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)]
+    assert all(r["ep2"]["duplex"] == [] for r in four_ranks)  # no all-to-all, no DP attention
 
 
 def test_destroy_releases_default_group(four_ranks):

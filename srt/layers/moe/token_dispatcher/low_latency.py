@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
+from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.ragged import (
@@ -47,7 +48,6 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
     EPLayout,
-    PendingWork,
     PhaseGuard,
     RowFormat,
     check_inputs,

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
 from srt.layers.moe.token_dispatcher.ragged import (
@@ -46,7 +47,6 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
     DUPLEX_MIN_BYTES,
     DuplexAllToAll,
     EPLayout,
-    PendingWork,
     PhaseGuard,
     RowFormat,
     check_inputs,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from srt.layers.moe.token_dispatcher.torch_a2a import PendingWork
+from srt.distributed.p2p import P2PExchange
 
 HEADER_ROWS = 1  # row 0 of a message: its first 4 bytes hold the number of rows after it
 
@@ -60,34 +60,3 @@ def write_headers(rows: torch.Tensor, at: torch.Tensor, counts: torch.Tensor) ->
 def read_headers(headers: torch.Tensor) -> list[int]:
     """The counts in ``headers`` [n, row_bytes] uint8 rows."""
     return headers[:, :4].contiguous().view(torch.int32).flatten().tolist()
-
-
-class P2PExchange:
-    """One isend and one irecv per peer, on a tag of its own (one per micro-batch, so two
-    micro-batches' messages between the same ranks never match each other's).
-    ``bytes_sent``: what this rank has sent to its peers so far."""
-
-    def __init__(self, groups: Sequence[ProcessGroup], rank: int, size: int, tag: int = 0):
-        self.groups, self.rank, self.size, self.tag = tuple(groups), rank, size, tag
-        self.bytes_sent = 0
-
-    def peers(self) -> list[int]:
-        return [p for p in range(self.size) if p != self.rank]
-
-    def launch(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> PendingWork:
-        """``sends[p]``: the message for peer p; ``recvs[p]``: a buffer at least as large as
-        what p sends here. Receives are posted first: gloo writes a payload as soon as its
-        receiver is ready."""
-        works = [
-            dist.irecv(buf, group=self._group(peer, self.rank), group_src=peer, tag=self.tag)
-            for peer, buf in recvs.items()
-        ]
-        self.bytes_sent += sum(msg.nbytes for msg in sends.values())
-        works += [
-            dist.isend(msg, group=self._group(self.rank, peer), group_dst=peer, tag=self.tag)
-            for peer, msg in sends.items()
-        ]
-        return PendingWork(works)
-
-    def _group(self, src: int, dst: int) -> ProcessGroup:
-        return self.groups[0] if src < dst else self.groups[-1]

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from srt.distributed.p2p import PendingWork
+
 _PHASES = ("dispatch_a", "dispatch_b", "combine_a", "combine_b")
 # an exchange splits by direction from this many bytes on one link: the crossover measured over
 # a 1 Gbit/s link, about 300 KiB (below it the second collective costs more latency than it
@@ -113,15 +115,6 @@ def check_inputs(
     for name, x in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if tuple(x.shape) != (t, fmt.top_k):
             raise ValueError(f"{name} {tuple(x.shape)}, expected ({t}, {fmt.top_k})")
-
-
-class PendingWork:
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
 
 class DuplexAllToAll:
