@@ -114,7 +114,8 @@ class ServerArgs:
             "memory",
             "CPU: intra-op threads of each rank in decode steps. Default: the rank's share "
             "of the cores, less one core per node for the HTTP server and detokenizer when "
-            "the model is small (under 64 MiB per rank); prefill uses the rank's share.",
+            "the step reads under 64 MiB of weights per rank (a mixture of experts counts "
+            "only the experts its sequences can reach); prefill uses the rank's share.",
         ),
     )
     # Parallelism

@@ -1,45 +1,99 @@
-"""Intra-op threads of a CPU rank, chosen per forward mode.
+"""Intra-op threads of a CPU rank, chosen per step.
 
 On CPU the HTTP server, the tokenizer and the detokenizer share the cores with the ranks. A
-decode step of a small model is a chain of tiny ops, each split over OpenMP threads that wait
-for each other at its end: when another process takes one of those threads' cores (it does
-every step, to stream the step's tokens), every op waits for it, and the second thread buys
-nothing anyway. Decode of such a model therefore leaves one core of the node that runs the
-front end to those processes. A larger model's decode streams its weights from memory, where
-every core adds bandwidth, so it keeps them all, as do prefill steps. Measured on 2 cores with
-``benchmark/compare_peer.py``: see ``docs/benchmarks.md``.
+decode step that reads few weights is a chain of small ops, each split over OpenMP threads
+that wait for each other at its end: when another process takes one of those threads' cores
+(it does every step, to stream the step's tokens), every op waits for it, and the last thread
+buys little anyway. Such a step therefore leaves one core of the node that runs the front end
+to those processes. A step that streams many weights from memory gains bandwidth from every
+core, so it keeps them all, as do prefill steps.
+
+What a decode step reads is not the model's size: of the routed experts it reads at most
+``sequences × top_k`` experts' worth (:class:`DecodeWeights`), so a mixture of experts that is
+large in all decodes a few sequences like a small model, and a batch of many like a large one.
+Measured on 2 cores with ``benchmark/compare_peer.py``: see ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from srt.layers.moe.moe_block import SparseMoeBlock
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.server_args import ServerArgs
 
-# A rank whose weights are smaller than this decodes on one core fewer (see above).
+# A decode step reading fewer weight bytes than this runs on one core fewer (see above).
 SMALL_MODEL_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
+class DecodeWeights:
+    """This rank's weight bytes as a decode step reads them: everything but the routed
+    experts, and of those (``expert_bytes`` in all, ``num_experts`` in the model, ``top_k`` per
+    token) at most ``sequences × top_k`` experts' share."""
+
+    dense_bytes: int
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    @classmethod
+    def of(cls, model: nn.Module) -> DecodeWeights:
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        total = sum(p.nbytes for p in model.parameters())
+        if not blocks:
+            return cls(total)
+        experts = sum(p.nbytes for b in blocks for p in b.experts.parameters())
+        first = blocks[0]
+        return cls(total - experts, experts, first.experts.num_experts, first.topk_config.top_k)
+
+    def read_by(self, sequences: int) -> int:
+        if not self.num_experts:
+            return self.dense_bytes + self.expert_bytes
+        share = min(1.0, sequences * self.top_k / self.num_experts)
+        return self.dense_bytes + int(self.expert_bytes * share)
+
+
 class CpuThreads:
-    def __init__(self, extend_threads: int, decode_threads: int):
+    """``lean_decode_threads`` for decode steps that read under SMALL_MODEL_BYTES,
+    ``decode_threads`` for the others, ``extend_threads`` for prefill."""
+
+    def __init__(
+        self,
+        extend_threads: int,
+        decode_threads: int,
+        lean_decode_threads: int | None = None,
+        weights: DecodeWeights | None = None,
+    ):
         self.extend_threads, self.decode_threads = extend_threads, decode_threads
+        self.lean_decode_threads = lean_decode_threads or decode_threads
+        self.weights = weights or DecodeWeights(0)
         self.current = torch.get_num_threads()
 
     @classmethod
-    def from_server_args(cls, server_args: ServerArgs, model_bytes: int) -> CpuThreads | None:
+    def from_server_args(cls, server_args: ServerArgs, weights: DecodeWeights) -> CpuThreads | None:
         if server_args.device != "cpu":
             return None
         cores, ranks = len(os.sched_getaffinity(0)), server_args.num_ranks_per_node
-        small = model_bytes < SMALL_MODEL_BYTES
-        front_end = 1 if server_args.node_rank == 0 and small else 0
-        decode = server_args.cpu_decode_threads or (cores - front_end) // ranks
-        return cls(max(1, cores // ranks), max(1, decode))
+        front_end = 1 if server_args.node_rank == 0 else 0
+        full = max(1, cores // ranks)
+        if server_args.cpu_decode_threads:
+            return cls(full, server_args.cpu_decode_threads)
+        return cls(full, full, max(1, (cores - front_end) // ranks), weights)
 
-    def apply(self, mode: ForwardMode) -> None:
-        threads = self.decode_threads if mode.is_decode_or_idle() else self.extend_threads
+    def threads_for(self, mode: ForwardMode, sequences: int) -> int:
+        if not mode.is_decode_or_idle():
+            return self.extend_threads
+        if self.weights.read_by(sequences) < SMALL_MODEL_BYTES:
+            return self.lean_decode_threads
+        return self.decode_threads
+
+    def apply(self, mode: ForwardMode, sequences: int) -> None:
+        threads = self.threads_for(mode, sequences)
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads

@@ -36,7 +36,7 @@ from srt.layers.sampler import Sampler
 from srt.managers.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from srt.model_executor.cpu_threads import CpuThreads
+from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -106,7 +106,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(server_args.random_seed)
         self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        self.cpu_threads = CpuThreads.from_server_args(server_args, self.weight_bytes)
+        self.cpu_threads = CpuThreads.from_server_args(server_args, DecodeWeights.of(self.model))
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
         self.step_overlap = StepOverlap(
@@ -224,7 +224,8 @@ class ModelRunner:
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:
-            self.cpu_threads.apply(forward_batch.global_forward_mode or forward_batch.forward_mode)
+            mode = forward_batch.global_forward_mode or forward_batch.forward_mode
+            self.cpu_threads.apply(mode, forward_batch.batch_size)
         forward_batch.sbo = self.step_overlap.mode == "sbo"
         self.attn_backend.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode.name.lower()

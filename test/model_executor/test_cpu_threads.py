@@ -1,5 +1,6 @@
-"""The per-mode CPU thread choice: a small model decodes on one core fewer than it prefills
-(left to the front end), a large one uses every core; --cpu-decode-threads overrides it."""
+"""The per-step CPU thread choice: a decode step that reads few weights runs on one core fewer
+than prefill (left to the front end), one that reads many uses every core; a mixture of
+experts counts only the experts its sequences can reach; --cpu-decode-threads overrides it."""
 
 from __future__ import annotations
 
@@ -8,41 +9,87 @@ import os
 import pytest
 import torch
 
-from srt.model_executor.cpu_threads import SMALL_MODEL_BYTES, CpuThreads
+from srt.model_executor.cpu_threads import SMALL_MODEL_BYTES, CpuThreads, DecodeWeights
 from srt.model_executor.forward_batch_info import ForwardMode
+from srt.model_loader.config import ModelConfig
+from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
 
 CORES = len(os.sched_getaffinity(0))
+LEAN = max(1, CORES - 1)
+MIB = 1 << 20
 
 
 def _args(**kwargs) -> ServerArgs:
     return ServerArgs(model_path="unused", device="cpu", **kwargs)
 
 
+def _threads(weights: DecodeWeights, **kwargs) -> CpuThreads:
+    return CpuThreads.from_server_args(_args(**kwargs), weights)
+
+
 def test_small_model_leaves_a_core_to_the_front_end_in_decode():
-    threads = CpuThreads.from_server_args(_args(), SMALL_MODEL_BYTES - 1)
-    assert threads.extend_threads == CORES
-    assert threads.decode_threads == max(1, CORES - 1)
+    threads = _threads(DecodeWeights(SMALL_MODEL_BYTES - 1))
+    assert threads.threads_for(ForwardMode.EXTEND, 8) == CORES
+    assert threads.threads_for(ForwardMode.DECODE, 1) == LEAN
+    assert threads.threads_for(ForwardMode.DECODE, 256) == LEAN
 
 
-def test_large_model_and_override_use_what_they_are_given():
-    assert CpuThreads.from_server_args(_args(), SMALL_MODEL_BYTES).decode_threads == CORES
-    override = CpuThreads.from_server_args(_args(cpu_decode_threads=3), 1)
-    assert override.decode_threads == 3
+def test_large_dense_model_decodes_on_every_core():
+    threads = _threads(DecodeWeights(SMALL_MODEL_BYTES))
+    assert threads.threads_for(ForwardMode.DECODE, 1) == CORES
 
 
-def test_apply_switches_threads_by_mode():
+def test_mixture_of_experts_counts_the_experts_its_sequences_reach():
+    # 32 experts top-6 (96 MiB in all), 20 MiB outside the experts
+    weights = DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
+    assert weights.read_by(1) == 20 * MIB + 18 * MIB
+    assert weights.read_by(6) == 20 * MIB + 96 * MIB  # 36 picks ≥ 32 experts: all of them
+    threads = _threads(weights)
+    assert [threads.threads_for(ForwardMode.DECODE, n) for n in (1, 2, 3, 8)] == [
+        LEAN,
+        LEAN,
+        CORES,
+        CORES,
+    ]
+
+
+def test_decode_threads_flag_overrides_every_step():
+    threads = _threads(DecodeWeights(1), cpu_decode_threads=3)
+    assert threads.threads_for(ForwardMode.DECODE, 1) == 3
+    assert threads.threads_for(ForwardMode.DECODE, 512) == 3
+    assert threads.threads_for(ForwardMode.EXTEND, 1) == CORES
+
+
+def test_apply_switches_threads_by_step():
     before = torch.get_num_threads()
-    threads = CpuThreads(extend_threads=2, decode_threads=1)
+    weights = DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
+    threads = CpuThreads(extend_threads=2, decode_threads=2, lean_decode_threads=1, weights=weights)
     try:
-        threads.apply(ForwardMode.DECODE)
+        threads.apply(ForwardMode.DECODE, 1)
         assert torch.get_num_threads() == 1
-        threads.apply(ForwardMode.EXTEND)
+        threads.apply(ForwardMode.DECODE, 8)
         assert torch.get_num_threads() == 2
-        threads.apply(ForwardMode.IDLE)
+        threads.apply(ForwardMode.IDLE, 0)
         assert torch.get_num_threads() == 1
+        threads.apply(ForwardMode.EXTEND, 1)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_decode_weights_of_a_model_split_experts_from_the_rest(deepseek_v3_path):
+    config = ModelConfig.from_server_args(ServerArgs(model_path=deepseek_v3_path, dtype="float32"))
+    model = load_model(config, "cpu")
+    weights = DecodeWeights.of(model)
+    moe_layers = [layer.mlp for layer in model.model.layers if layer.is_moe]
+    routed = sum(p.nbytes for m in moe_layers for p in m.experts.parameters())
+    assert weights.expert_bytes == routed > 0  # the shared expert is not among them
+    assert weights.dense_bytes + routed == sum(p.nbytes for p in model.parameters())
+    assert (weights.num_experts, weights.top_k) == (
+        config.hf_config.n_routed_experts,
+        config.hf_config.num_experts_per_tok,
+    )
 
 
 @pytest.mark.parametrize("kwargs", [{"cpu_decode_threads": 0}, {"cpu_decode_threads": -2}])
