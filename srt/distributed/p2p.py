@@ -89,6 +89,8 @@ class DuplexRows:
         """``blocks[p]`` goes to rank p; returns what every rank sent here (``recv_rows[p]``
         rows from rank p, the same trailing shape), in rank order."""
         ex, mine = self.exchange, blocks[self.exchange.rank]
+        if mine.shape[0] != recv_rows[ex.rank]:
+            raise ValueError(f"{mine.shape[0]} rows to itself, recv_rows say {recv_rows[ex.rank]}")
         out = [mine.new_empty(n, *mine.shape[1:]) for n in recv_rows]
         recvs = {p: out[p] for p in ex.peers() if recv_rows[p]}
         sends = {p: blocks[p].contiguous() for p in ex.peers() if blocks[p].shape[0]}

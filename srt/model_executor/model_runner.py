@@ -224,8 +224,10 @@ class ModelRunner:
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:
-            mode = forward_batch.global_forward_mode or forward_batch.forward_mode
-            self.cpu_threads.apply(mode, forward_batch.batch_size)
+            self.cpu_threads.apply(
+                forward_batch.global_forward_mode or forward_batch.forward_mode,
+                forward_batch.batch_size,
+            )
         forward_batch.sbo = self.step_overlap.mode == "sbo"
         self.attn_backend.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode.name.lower()
