@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from emulated_cluster import _parallel_flags  # noqa: E402
 from emulated_serving import HTTP_PORT, node0_http_ok  # noqa: E402
-from netns import create_cluster, exit_on_signals  # noqa: E402
+from netns import create_cluster, exit_on_signals, live_pids  # noqa: E402
 
 FAULTS = ("rank-kill", "link-flap", "link-down")
 EXIT_SLACK_S = 5.0  # a failed server exits within the watchdog timeout plus this
@@ -216,13 +216,7 @@ def run_fault(args, fault: str, out: Path) -> dict:
         failed = fault != "link-flap" and codes[0] is not None
         row["node0_exit_s"] = exit_s if failed else None  # after a flap: a clean stop
         row["node0_log_names_peer"] = "rank 1 (node 1)" in logs[0].read_text(errors="replace")
-        row["left_processes"] = [
-            pid
-            for ns in cluster.node_ns
-            for pid in subprocess.run(
-                ["ip", "netns", "pids", ns], capture_output=True, text=True
-            ).stdout.split()
-        ]
+        row["left_processes"] = [pid for ns in cluster.node_ns for pid in live_pids(ns)]
     row["left_namespaces"] = [ns for ns in cluster.node_ns if _netns_exists(ns)]
     after = set(glob.glob(os.path.join(tempfile.gettempdir(), "srt-ipc-*")))
     row["left_ipc_dirs"] = sorted(after - ipc_before)

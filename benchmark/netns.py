@@ -218,6 +218,22 @@ class Cluster:
         self.cleanup()
 
 
+def live_pids(ns: str) -> list[str]:
+    """Processes in ``ns`` that still run: ``ip netns pids`` less zombies (exited already,
+    waiting for their parent, or init once orphaned, to reap them)."""
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [pid for pid in r.stdout.split() if _state(pid) not in ("Z", None)]
+
+
+def _state(pid: str) -> str | None:
+    """The state letter of ``pid`` in /proc (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def _kill_ns_pids(ns: str) -> None:
     """SIGKILL whatever still runs in ``ns`` (only namespaces this module created)."""
     r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from helpers.benchmark_scripts import load_benchmark
 from helpers.netns import netns_available
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -36,3 +38,16 @@ def test_faults_end_cleanly(tmp_path, qwen3_moe_path):
         errors = [s["error"] for s in rows[fault]["streams"]]
         assert all("rank 1 (node 1)" in e for e in errors), errors
     assert all(s["tokens"] == 400 for s in rows["link-flap"]["streams"])
+
+
+def test_a_zombie_is_not_left_running():
+    """The leak check counts processes that still run: an exited child its parent has not
+    reaped yet (init reaps the orphans of a stopped server a moment later) is not one."""
+    netns = load_benchmark("netns")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while netns._state(str(child.pid)) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert netns._state(str(child.pid)) == "Z"
+    child.wait()
+    assert netns._state(str(child.pid)) is None
