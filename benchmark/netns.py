@@ -218,11 +218,17 @@ class Cluster:
         self.cleanup()
 
 
+def _ns_pids(ns: str) -> list[str]:
+    """``ip netns pids``: every process in ``ns``, zombies included."""
+    return subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True
+    ).stdout.split()
+
+
 def live_pids(ns: str) -> list[str]:
-    """Processes in ``ns`` that still run: ``ip netns pids`` less zombies (exited already,
-    waiting for their parent, or init once orphaned, to reap them)."""
-    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    return [pid for pid in r.stdout.split() if _state(pid) not in ("Z", None)]
+    """Processes in ``ns`` that still run: no zombies (exited already, waiting for their
+    parent, or init once orphaned, to reap them)."""
+    return [pid for pid in _ns_pids(ns) if _state(pid) not in ("Z", None)]
 
 
 def _state(pid: str) -> str | None:
@@ -236,8 +242,7 @@ def _state(pid: str) -> str | None:
 
 def _kill_ns_pids(ns: str) -> None:
     """SIGKILL whatever still runs in ``ns`` (only namespaces this module created)."""
-    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    for pid in r.stdout.split():
+    for pid in _ns_pids(ns):
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
 

@@ -105,8 +105,9 @@ class ModelRunner:
             else TorchNativeAttnBackend(kernels)
         )
         self.sampler = Sampler(server_args.random_seed)
-        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        self.cpu_threads = CpuThreads.from_server_args(server_args, DecodeWeights.of(self.model))
+        weights = DecodeWeights.of(self.model)
+        self.weight_bytes = weights.dense_bytes + weights.expert_bytes
+        self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
         # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
         self.step_overlap = StepOverlap(
