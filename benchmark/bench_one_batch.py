@@ -48,6 +48,7 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.ipc import free_port
+from srt.utils.process import freeze_startup_heap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_compare import compare_with_hf  # noqa: E402
@@ -245,6 +246,7 @@ def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, paralle
         label: make_runner(sa, max(args.batch_size), max_tokens, parallel)
         for label, sa in _variants(args, server_args).items()
     }
+    freeze_startup_heap()  # as the scheduler process does once it is up
     any_runner = next(iter(runners.values()))[0]
     hf_model = _hf_model(server_args, any_runner) if args.compare_hf else None
     vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
