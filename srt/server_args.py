@@ -301,6 +301,15 @@ class ServerArgs:
             "per attention-DP group runs first, so the first user does not pay first-use costs).",
         ),
     )
+    stream_interval: int = field(
+        default=1,
+        metadata=_arg(
+            "server",
+            "Stream a request's tokens every this many (its first token at once, the rest when "
+            "it ends); a request's own stream_interval overrides it. Larger values cost the HTTP "
+            "server and the detokenizer less CPU per token, at the price of burstier streams.",
+        ),
+    )
     max_queued_requests: int | None = field(
         default=None,
         metadata=_arg(

@@ -57,6 +57,7 @@ def check_ranges(self: ServerArgs) -> None:
         "must be positive",
     )
     require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
+    require(self.stream_interval >= 1, "stream_interval", "must be ≥ 1")
     require(self.max_queued_requests >= 0, "max_queued_requests", "must be ≥ 0")
     require(self.watchdog_timeout > 0, "watchdog_timeout", "must be positive")
     require(

@@ -98,7 +98,9 @@ class Scheduler:
         self.finished_outside_batch: list[Req] = []
         self.policy = SchedulePolicy(self.server_args.schedule_policy, self.tree_cache)
         self.new_token_ratio = NewTokenRatio()
-        self.output_processor = SchedulerOutputProcessor(self.tree_cache, self.tokenizer)
+        self.output_processor = SchedulerOutputProcessor(
+            self.tree_cache, self.tokenizer, self.server_args.stream_interval
+        )
         self.num_retracted_reqs = 0
         self.num_forward_steps = 0
         self.current_step = "start-up"  # what this rank is doing, for the watchdog

@@ -19,8 +19,11 @@ from srt.managers.schedule_batch import (
 
 
 class SchedulerOutputProcessor:
-    def __init__(self, tree_cache: Any, tokenizer: Any):
+    """``stream_interval``: the server's (--stream-interval), for requests that set none."""
+
+    def __init__(self, tree_cache: Any, tokenizer: Any, stream_interval: int = 1):
         self.tree_cache, self.tokenizer = tree_cache, tokenizer
+        self.stream_interval = stream_interval
 
     # ------------------------------------------------------------------ per step
     def process_extend(
@@ -145,12 +148,11 @@ class SchedulerOutputProcessor:
             r.sent_output_len = len(r.output_ids)
         return out
 
-    @staticmethod
-    def _has_news(req: Req) -> bool:
+    def _has_news(self, req: Req) -> bool:
         """A streamed request is sent its first token at once, then every ``stream_interval``
-        tokens (every step by default)."""
+        tokens (its own, else the server's; every step by default)."""
         unsent = len(req.output_ids) - req.sent_output_len
-        interval = req.sampling_params.stream_interval or 1
+        interval = req.sampling_params.stream_interval or self.stream_interval
         return unsent >= interval or (unsent > 0 and req.sent_output_len == 0)
 
     @staticmethod

@@ -190,3 +190,28 @@ def test_streaming_deltas_add_up(qwen3_moe_path):
     assert all(texts[-1].startswith(t) for t in texts)
     assert texts[-1] == detok.tokenizer.decode(ids, skip_special_tokens=True)
     scheduler.check_memory()
+
+
+def test_server_stream_interval_and_request_override(qwen3_moe_path):
+    """--stream-interval 4: the first token at once, then every 4, the rest at the end; a
+    request's own stream_interval wins."""
+    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=512, stream_interval=4)
+    scheduler = Scheduler(args)
+    for rid, own in (("server", None), ("own", 2)):
+        req = _tokenized(rid, [5, 6, 7, 8], max_new_tokens=10)
+        req.sampling_params.stream_interval = own
+        req.stream = True
+        scheduler.add_request(req)
+    sent: dict[str, list[int]] = {"server": [], "own": []}
+    while not scheduler.is_idle():
+        for out in scheduler.step():
+            for rid, ids in zip(out.rids, out.output_ids):
+                sent[rid].append(len(ids))
+    assert sent["server"] == [1, 4, 4, 1]
+    assert sent["own"] == [1, 2, 2, 2, 2, 1]
+    scheduler.check_memory()
+
+
+def test_stream_interval_flag_is_checked(qwen3_moe_path):
+    with pytest.raises(ValueError, match="--stream-interval"):
+        ServerArgs(model_path=qwen3_moe_path, stream_interval=0)
