@@ -18,6 +18,12 @@ the import next to the CPU torch, so it is removed.
     python benchmark/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
         --num-prompts 32 --input-len 128 --output-len 32 --runs 3
 
+``--paired`` keeps both servers up and, at each concurrency, runs the client against one and
+then the other, back to back, the order flipping every run. On a host whose speed drifts over
+minutes (memory bandwidth shared with other machines), engines measured one after the other
+can meet different machines; a pair measured back to back meets the same one. An idle server
+burns no core (each client run waits for a quiet machine first), and memory holds both.
+
 ``--one-batch`` also times srt's decode step for one sequence with bench_one_batch (no server),
 to compare with the served TPOT at concurrency 1.
 """
@@ -89,8 +95,14 @@ def cpu_list() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
+def engine_port(engine: str, args: argparse.Namespace) -> int:
+    """Each engine has a port of its own, so that both can be up at once (``--paired``)."""
+    return args.port + (engine == "vllm")
+
+
 def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str]) -> list[str]:
-    common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", str(args.port)]
+    port = str(engine_port(engine, args))
+    common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", port]
     if engine == "srt":
         return [sys.executable, "-m", "launch_server", "--model-path", args.model_path, *common,
                 *shlex.split(args.srt_args)]  # fmt: skip
@@ -160,8 +172,9 @@ def wait_quiet(limit: float = 0.1, timeout_s: float = 60) -> None:
 
 def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Path) -> Run:
     name = f"{engine}-result-{concurrency}-{seed}.json"
+    url = f"http://127.0.0.1:{engine_port(engine, args)}"
     cmd = [*vllm, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
-           "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.model_path,
+           "--base-url", url, "--model", args.model_path,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
@@ -175,8 +188,8 @@ def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Pa
     return Run(data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"])
 
 
-def measure_engine(engine: str, args, vllm, run_index: int, results: Results, logs: Path) -> None:
-    wait_quiet()
+def start_engine(engine: str, args, vllm, run_index: int, logs: Path):
+    """Start ``engine``'s server in a process group of its own; (process, log file)."""
     log = open(logs / f"{engine}-{run_index}.log", "w")
     proc = subprocess.Popen(
         server_command(engine, args, vllm),
@@ -186,19 +199,56 @@ def measure_engine(engine: str, args, vllm, run_index: int, results: Results, lo
         start_new_session=True,
         cwd=BENCH_DIR.parent,
     )
+    return proc, log
+
+
+def measure_one(engine: str, args, vllm, run_index: int, concurrency: int, results, logs) -> None:
+    # The same prompts for both engines, new ones for every run (no prefix-cache hits).
+    seed = 1000 * run_index + concurrency
+    run = run_client(args, vllm, engine, concurrency, seed, logs)
+    results.add(engine, concurrency, run)
+    print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
+          f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
+          f"TPOT {run.mean_tpot_ms:6.1f} ms", flush=True)  # fmt: skip
+
+
+def measure_engine(engine: str, args, vllm, run_index: int, results: Results, logs: Path) -> None:
+    """One server start of ``engine`` alone: every concurrency, then stop it."""
+    wait_quiet()
+    proc, log = start_engine(engine, args, vllm, run_index, logs)
     try:
-        wait_ready(proc, args.port, args.startup_timeout)
+        wait_ready(proc, engine_port(engine, args), args.startup_timeout)
         for concurrency in args.concurrency:
-            # The same prompts for both engines, new ones for every run (no prefix-cache hits).
-            seed = 1000 * run_index + concurrency
-            run = run_client(args, vllm, engine, concurrency, seed, logs)
-            results.add(engine, concurrency, run)
-            print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
-                  f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
-                  f"TPOT {run.mean_tpot_ms:6.1f} ms", flush=True)  # fmt: skip
+            measure_one(engine, args, vllm, run_index, concurrency, results, logs)
     finally:
         stop(proc)
         log.close()
+
+
+def paired_order(engines: list[str], run_index: int) -> list[str]:
+    """Which engine goes first in a paired run: the order flips every run."""
+    return list(engines) if run_index % 2 == 0 else list(reversed(engines))
+
+
+def measure_paired(args, vllm, run_index: int, results: Results, logs: Path) -> None:
+    """One server start of every engine, all up at once; at each concurrency one client run
+    against each, back to back, on a quiet machine (the idle server burns no core: checked
+    before every client run), so that both engines of a pair meet the same machine."""
+    engines = paired_order(args.engines, run_index)
+    started = []
+    try:
+        for engine in engines:
+            wait_quiet()
+            started.append(start_engine(engine, args, vllm, run_index, logs))
+            wait_ready(started[-1][0], engine_port(engine, args), args.startup_timeout)
+        for concurrency in args.concurrency:
+            for engine in engines:
+                wait_quiet()
+                measure_one(engine, args, vllm, run_index, concurrency, results, logs)
+    finally:
+        for proc, log in started:
+            stop(proc)
+            log.close()
 
 
 def one_batch_decode_ms(args) -> float:
@@ -217,7 +267,8 @@ def one_batch_decode_ms(args) -> float:
 def format_table(args, results: Results) -> str:
     lines = [
         f"model {args.model_path}, in {args.input_len} / out {args.output_len}, "
-        f"{args.num_prompts} prompts, {args.runs} runs (vllm bench serve, /v1/completions)",
+        f"{args.num_prompts} prompts, {args.runs} runs{' paired' if args.paired else ''} "
+        "(vllm bench serve, /v1/completions)",
         "| concurrency | srt out tok/s | vLLM-CPU out tok/s | srt / vLLM | srt TPOT (ms) "
         "| vLLM TPOT (ms) |",
         "|---|---|---|---|---|---|",
@@ -247,7 +298,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--runs", type=int, default=3, help="server starts per engine")
     p.add_argument("--engines", nargs="+", choices=["srt", "vllm"], default=["srt", "vllm"])
-    p.add_argument("--port", type=int, default=30100)
+    p.add_argument("--port", type=int, default=30100, help="srt's; vLLM's is the next one")
+    p.add_argument(
+        "--paired", action="store_true",
+        help="both servers up at once, and at each concurrency one client run against each, "
+        "back to back (the order flips every run); default: one engine at a time",
+    )  # fmt: skip
     # Values that start with a dash need the = form: --srt-args="--tp 2".
     p.add_argument("--srt-args", default="", help="extra flags for srt's launch_server")
     p.add_argument("--vllm-args", default="", help="extra flags for vllm serve")
@@ -273,6 +329,9 @@ def main(argv=None) -> int:
     print(f"server logs and client results in {logs}", flush=True)
     results = Results()
     for run_index in range(args.runs):
+        if args.paired:
+            measure_paired(args, vllm, run_index, results, logs)
+            continue
         for engine in args.engines:
             measure_engine(engine, args, vllm, run_index, results, logs)
     print()

@@ -63,3 +63,13 @@ def test_table_reports_every_run_and_the_ratio_range(compare_peer):
     assert "100.0 / 90.0" in row and "50.0 / 100.0" in row and "0.90–2.00×" in row
     missing = next(line for line in table.splitlines() if line.startswith("| 8 |"))
     assert missing.count("-") >= 3  # no runs at concurrency 8: shown as missing, not zero
+
+
+def test_paired_runs_give_each_engine_its_port_and_flip_the_order(compare_peer):
+    args = compare_peer.parse_args(["--model-path", "/m", "--port", "31000", "--paired"])
+    ports = {e: compare_peer.engine_port(e, args) for e in ("srt", "vllm")}
+    assert ports == {"srt": 31000, "vllm": 31001}
+    assert str(ports["vllm"]) in compare_peer.server_command("vllm", args, ("py", "cli"))
+    assert compare_peer.paired_order(["srt", "vllm"], 0) == ["srt", "vllm"]
+    assert compare_peer.paired_order(["srt", "vllm"], 1) == ["vllm", "srt"]
+    assert "paired" in compare_peer.format_table(args, compare_peer.Results()).splitlines()[0]
