@@ -20,9 +20,9 @@ the import next to the CPU torch, so it is removed.
 
 ``--paired`` keeps both servers up and, at each concurrency, runs the client against one and
 then the other, back to back, the order flipping every run. On a host whose speed drifts over
-minutes (memory bandwidth shared with other machines), engines measured one after the other
-can meet different machines; a pair measured back to back meets the same one. An idle server
-burns no core (each client run waits for a quiet machine first), and memory holds both.
+minutes, engines measured one after the other can meet different machines; a pair measured
+back to back meets the same one. An idle server burns no core (each client run waits for a
+quiet machine first), and memory holds both.
 
 ``--one-batch`` also times srt's decode step for one sequence with bench_one_batch (no server),
 to compare with the served TPOT at concurrency 1.

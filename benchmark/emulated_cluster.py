@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=None, help="tbf burst bytes (default: netns.py)")
     p.add_argument("--latency", default="20ms", help="tbf queue bound")
     p.add_argument("--model-path", default=None, help="default: the 'emulated' random preset")
+    # Values that start with a dash need the = form: --srt-args="--enable-dp-lm-head".
+    p.add_argument(
+        "--srt-args", default="",
+        help="extra flags for every srt process on every node (bench_one_batch and the servers)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, nargs="+", default=[64, 256])
     p.add_argument("--input-len", type=int, default=8)
     p.add_argument("--output-len", type=int, default=4)
@@ -115,6 +121,7 @@ def _parallel_flags(args, cluster, i: int, dist_port: int = DIST_PORT) -> list[s
         "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
         "--nnodes", str(n), "--node-rank", str(i),
         "--dist-init-addr", f"{cluster.addrs[0]}:{dist_port}",
+        *shlex.split(getattr(args, "srt_args", "")),  # emulated_faults has no --srt-args
     ]  # fmt: skip
 
 

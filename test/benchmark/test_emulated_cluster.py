@@ -40,3 +40,16 @@ def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
         ["pgrep", "-f", f"{qwen3_moe_path}.*--nnodes 2"], capture_output=True, text=True
     ).stdout
     assert leftovers == "", leftovers
+
+
+def test_srt_args_reach_every_node_command():
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import emulated_cluster
+
+    args = emulated_cluster.parse_args(
+        ["--quick", "--model-path", "/m", "--srt-args=--enable-dp-lm-head --log-level debug"]
+    )
+    cluster = type("Cluster", (), {"addrs": ["10.0.0.1", "10.0.0.2"]})()
+    flags = emulated_cluster._parallel_flags(args, cluster, 1)
+    assert flags[-3:] == ["--enable-dp-lm-head", "--log-level", "debug"]
+    assert flags[flags.index("--node-rank") + 1] == "1"
