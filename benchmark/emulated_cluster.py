@@ -57,6 +57,12 @@ OVERLAP_FLAGS = {
 }  # fmt: skip
 
 
+def add_srt_args(p: argparse.ArgumentParser) -> None:
+    """``--srt-args``, which ``_parallel_flags`` appends to every srt command on every node."""
+    # Values that start with a dash need the = form: --srt-args="--enable-dp-lm-head".
+    p.add_argument("--srt-args", default="", help="extra flags for every srt process on every node")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2)
@@ -64,11 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--burst", type=int, default=None, help="tbf burst bytes (default: netns.py)")
     p.add_argument("--latency", default="20ms", help="tbf queue bound")
     p.add_argument("--model-path", default=None, help="default: the 'emulated' random preset")
-    # Values that start with a dash need the = form: --srt-args="--enable-dp-lm-head".
-    p.add_argument(
-        "--srt-args", default="",
-        help="extra flags for every srt process on every node (bench_one_batch and the servers)",
-    )  # fmt: skip
+    add_srt_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[64, 256])
     p.add_argument("--input-len", type=int, default=8)
     p.add_argument("--output-len", type=int, default=4)
@@ -121,7 +123,7 @@ def _parallel_flags(args, cluster, i: int, dist_port: int = DIST_PORT) -> list[s
         "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
         "--nnodes", str(n), "--node-rank", str(i),
         "--dist-init-addr", f"{cluster.addrs[0]}:{dist_port}",
-        *shlex.split(getattr(args, "srt_args", "")),  # emulated_faults has no --srt-args
+        *shlex.split(args.srt_args),
     ]  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from emulated_cluster import _parallel_flags  # noqa: E402
+from emulated_cluster import _parallel_flags, add_srt_args  # noqa: E402
 from emulated_serving import HTTP_PORT, node0_http_ok  # noqa: E402
 from netns import create_cluster, exit_on_signals, live_pids  # noqa: E402
 
@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     p.add_argument("--model-path", default=None, help="default: the bundled tiny model")
+    add_srt_args(p)
     p.add_argument("--link-rate", default="1gbit", help="tc rate, or 'unshaped'")
     p.add_argument("--watchdog-timeout", type=float, default=10.0)
     p.add_argument("--flap-seconds", type=float, default=3.0)
