@@ -89,6 +89,54 @@ static void panel_gemm(const struct rows *x, int64_t n, const float *panel, int6
     if (r < n) block_gemm(x, r, n - r, panel, k_dim, y + r * ldy, ldy, 0);
 }
 
+/* block_gemm for the first nv < 4 vectors of a narrow last panel (each element the same sum in
+ * the same order as there). */
+static inline __attribute__((always_inline)) void narrow_block_gemm(
+    const struct rows *x, int64_t r, int64_t m, const float *panel, int64_t k_dim, float *y,
+    int64_t ldy, int hold, int nv) {
+    const float *in[ROWS];
+    for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
+    vec acc[ROWS][3];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < k_dim; k++) {
+        const float *w = panel + k * PANEL;
+        vec wq[3];
+        for (int q = 0; q < nv; q++) {
+            wq[q] = load_vec(w + q * VEC);
+#if defined(__AVX__)
+            if (hold) __asm__("" : "+v"(wq[q]));
+#endif
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float s = in[i][k];
+            for (int q = 0; q < nv; q++) acc[i][q] += s * wq[q];
+        }
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int q = 0; q < nv; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);
+}
+
+static inline __attribute__((always_inline)) void narrow_rows(const struct rows *x, int64_t n,
+                                                              const float *panel, int64_t k_dim,
+                                                              float *y, int64_t ldy, int nv) {
+    int64_t r = 0;
+    for (; r + ROWS <= n; r += ROWS)
+        narrow_block_gemm(x, r, ROWS, panel, k_dim, y + r * ldy, ldy, 1, nv);
+    if (r < n) narrow_block_gemm(x, r, n - r, panel, k_dim, y + r * ldy, ldy, 0, nv);
+}
+
+/* y[r, 0:nv·VEC] of a last panel for rows r < n: all four vectors through panel_gemm, fewer
+ * through a code path of their own for each width. */
+static void narrow_panel_gemm(const struct rows *x, int64_t n, const float *panel, int64_t k_dim,
+                              float *y, int64_t ldy, int nv) {
+    switch (nv) {
+    case 1: narrow_rows(x, n, panel, k_dim, y, ldy, 1); break;
+    case 2: narrow_rows(x, n, panel, k_dim, y, ldy, 2); break;
+    case 3: narrow_rows(x, n, panel, k_dim, y, ldy, 3); break;
+    default: panel_gemm(x, n, panel, k_dim, y, ldy); break;
+    }
+}
+
 /* act[r, 0:PANEL] = silu(gate) · up for rows r < n of x, gate and up the products with two
  * panels, block by block of ROWS rows (neither is written out whole). */
 static void act_gemm(const struct rows *x, int64_t n, const float *gate_panel,
@@ -229,24 +277,32 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
 }
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
- * [ceil(N/PANEL)][K][PANEL], the last panel's columns past N zero. That panel, when partial, is
- * computed into a buffer of its own and its first N % PANEL columns copied out.
- * Returns 0, or -1 when out of memory. */
-int srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
-                         int64_t n_dim, float *y) {
+ * [ceil(N/PANEL)][K][PANEL], the last panel's columns past N zero. The work is shared out by
+ * (panel, chunk of LINEAR_CHUNK rows), panel-major: decode's few rows leave whole panels to each
+ * thread, and a layer of few panels (a router's) still has every thread busy in prefill. A
+ * partial last panel computes only the vectors that hold its N % PANEL columns, into a buffer of
+ * its own whose first N % PANEL columns are copied out. */
+#define LINEAR_CHUNK 64
+void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
+                          int64_t n_dim, float *y) {
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
-    struct rows rows = {x, k_dim, NULL, 1};
+    int64_t num_panels = full + (rest > 0), chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
+    int nv = (int)((rest + VEC - 1) / VEC);
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < full; b++)
-        panel_gemm(&rows, n, panels + b * k_dim * PANEL, k_dim, y + b * PANEL, n_dim);
-    if (rest == 0 || n == 0) return 0;
-    float *last = malloc(n * PANEL * sizeof *last);
-    if (last == NULL) return -1;
-    panel_gemm(&rows, n, panels + full * k_dim * PANEL, k_dim, last, PANEL);
-    for (int64_t i = 0; i < n; i++)
-        memcpy(y + i * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
-    free(last);
-    return 0;
+    for (int64_t u = 0; u < num_panels * chunks; u++) {
+        int64_t b = u / chunks, r0 = (u % chunks) * LINEAR_CHUNK;
+        int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
+        struct rows rows = {x + r0 * k_dim, k_dim, NULL, 1};
+        const float *panel = panels + b * k_dim * PANEL;
+        if (b < full) {
+            panel_gemm(&rows, m, panel, k_dim, y + r0 * n_dim + b * PANEL, n_dim);
+            continue;
+        }
+        float last[LINEAR_CHUNK * PANEL];
+        narrow_panel_gemm(&rows, m, panel, k_dim, last, PANEL, nv);
+        for (int64_t i = 0; i < m; i++)
+            memcpy(y + (r0 + i) * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
+    }
 }
 
 /* RMSNorm, HF's: out = weight · h / sqrt(mean(h²) + eps) per row of `dim`, h = x (+ residual,

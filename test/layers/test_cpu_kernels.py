@@ -105,7 +105,7 @@ def test_unfit_shapes_and_dtypes_are_not_packed():
     assert cpu_kernels.fills_panels(lib, torch.zeros(2, 128, 64))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 97])
 def test_linear_on_panels_equals_f_linear(rows):
     torch.manual_seed(rows)
     layer = ReplicatedLinear(96, 128, bias=True)
@@ -123,17 +123,21 @@ def test_linear_on_panels_equals_f_linear(rows):
     assert out.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("out_features", [5, 100, 129])
+@pytest.mark.parametrize("out_features", [5, 20, 100, 129])
 def test_weights_that_do_not_fill_panels_pad_the_last_one(out_features):
+    """The last panel's columns, whatever its width, also when the rows are shared out in
+    chunks (a router's few columns over a prefill's rows)."""
     torch.manual_seed(out_features)
     weight = torch.randn(out_features, 48)
     packed = pack_weight(weight)
     assert isinstance(packed, PanelWeight)
-    for rows in (1, 6, 33):
+    for rows in (1, 6, 33, 130):
         x = torch.randn(rows, 48)
         out = linear(x, weight, packed=packed)
         assert out.shape == (rows, out_features) and out.is_contiguous()
         torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        alone = torch.cat([linear(x[i : i + 1], weight, packed=packed) for i in range(rows)])
+        assert torch.equal(out, alone)
 
 
 def test_rms_norm_equals_pytorch_on_views_and_with_residual():
