@@ -79,11 +79,14 @@ static inline __attribute__((always_inline)) void score_rows(const float *q, int
         for (int u = 0; u < w; u++) store_vec(s + i * KEY_BLOCK + u * VEC, acc[i][u]);
 }
 
-/* score_rows with n and w constant in each call (full blocks of ROWS rows inlined apart). */
+/* score_rows with n and w constant in each call: full blocks of ROWS rows inlined apart for
+ * every width (a block on the causal diagonal scores only the keys up to its last row's). */
 static void scores(const float *q, int64_t n, int64_t dim, const float *keys, int w, float *s) {
-    if (n == ROWS && w == 4) score_rows(q, ROWS, dim, keys, 4, s);
-    else if (n == ROWS) score_rows(q, ROWS, dim, keys, w, s);
-    else score_rows(q, n, dim, keys, w, s);
+    if (n != ROWS) score_rows(q, n, dim, keys, w, s);
+    else if (w == 4) score_rows(q, ROWS, dim, keys, 4, s);
+    else if (w == 3) score_rows(q, ROWS, dim, keys, 3, s);
+    else if (w == 2) score_rows(q, ROWS, dim, keys, 2, s);
+    else score_rows(q, ROWS, dim, keys, 1, s);
 }
 
 /* o[i, col:col + w·VEC] += Σ_{j < nk} p[i, j] · values[j, col:...] for i < n ≤ ROWS. */
