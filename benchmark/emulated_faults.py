@@ -43,6 +43,7 @@ from netns import create_cluster, exit_on_signals, live_pids  # noqa: E402
 
 FAULTS = ("rank-kill", "link-flap", "link-down")
 EXIT_SLACK_S = 5.0  # a failed server exits within the watchdog timeout plus this
+LEFT_GRACE_S = 3.0  # for a server's last children to finish exiting after it
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -217,12 +218,24 @@ def run_fault(args, fault: str, out: Path) -> dict:
         failed = fault != "link-flap" and codes[0] is not None
         row["node0_exit_s"] = exit_s if failed else None  # after a flap: a clean stop
         row["node0_log_names_peer"] = "rank 1 (node 1)" in logs[0].read_text(errors="replace")
-        row["left_processes"] = [pid for ns in cluster.node_ns for pid in live_pids(ns)]
+        row["left_processes"] = _left_processes(cluster)
     row["left_namespaces"] = [ns for ns in cluster.node_ns if _netns_exists(ns)]
     after = set(glob.glob(os.path.join(tempfile.gettempdir(), "srt-ipc-*")))
     row["left_ipc_dirs"] = sorted(after - ipc_before)
     row["problems"] = check(row, args)
     return row
+
+
+def _left_processes(cluster, grace: float = LEFT_GRACE_S) -> list[str]:
+    """Processes still running in the nodes once both servers have exited, after ``grace`` s:
+    multiprocessing's resource tracker leaves on its own when it sees its parent gone, and
+    may still be on its way out when the server's exit code is in."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = [pid for ns in cluster.node_ns for pid in live_pids(ns)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _netns_exists(name: str) -> bool:
