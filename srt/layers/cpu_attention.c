@@ -12,6 +12,16 @@
 #include "cpu_kernels.h"
 
 #define HEAD_BLOCK 4 /* query heads per task */
+#define AHEAD 8      /* keys (or values) ahead that the loops ask the cache for */
+
+/* Asks for the n floats at p, a line of 64 bytes at a time, without waiting. Once the pool
+ * has turned over, a sequence's slots lie anywhere in it (freed slots go back in the order
+ * they were freed), where the hardware's own prefetch does not follow them: the loops ask for
+ * the row AHEAD slots on, unless that slot follows the one before it (a prompt's run of
+ * slots, which the hardware streams by itself). */
+static inline void prefetch_row(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
 
 /* a · b over n floats: VEC lanes (4 accumulators in turn), then the lanes and the tail. */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
@@ -36,6 +46,8 @@ static inline __attribute__((always_inline)) void weighted_rows(
     vec acc[HEAD_BLOCK][4], row[4];
     memset(acc, 0, sizeof acc);
     for (int64_t j = 0; j < len; j++) {
+        if (j + AHEAD < len && slots[j + AHEAD] != slots[j + AHEAD - 1] + 1)
+            prefetch_row(v + slots[j + AHEAD] * v_stride + col, w * VEC);
         for (int u = 0; u < w; u++) row[u] = load_vec(v + slots[j] * v_stride + col + u * VEC);
         for (int h = 0; h < HEAD_BLOCK; h++)
             if (h < nh)
@@ -70,6 +82,8 @@ static void attend(const struct decode_attention *a, int64_t b, int64_t h0, int6
     const int64_t *slots = a->table + a->rows[b] * a->table_ld;
     const float *q = a->q + (b * a->heads + h0) * a->dim;
     for (int64_t j = 0; j < len; j++) {
+        if (j + AHEAD < len && slots[j + AHEAD] != slots[j + AHEAD - 1] + 1)
+            prefetch_row(a->k + slots[j + AHEAD] * a->k_stride + kv * a->dim, a->dim);
         const float *key = a->k + slots[j] * a->k_stride + kv * a->dim;
         for (int64_t h = 0; h < nh; h++)
             s[h * len + j] = a->scale * dot(q + h * a->dim, key, a->dim);
