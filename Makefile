@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
-	# Structured output. xgrammar's triton requirement serves its CUDA kernels only.
+	# Structured output; --no-deps: what it requires (torch, triton) is installed above.
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $@
 

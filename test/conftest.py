@@ -1,9 +1,18 @@
-"""Session fixtures: tiny HF checkpoints built once by launch/make_tiny_models.py and cached."""
+"""Session fixtures: tiny HF checkpoints built once by launch/make_tiny_models.py and cached;
+Triton's interpreter where there is no GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from make_tiny_models import ensure_tiny_models
+
+# Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter. It is read when a
+# kernel is defined, so it is set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

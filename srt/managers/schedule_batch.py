@@ -17,6 +17,7 @@ from srt.layers.sampler import make_generator
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.sampling.sampling_batch_info import SamplingBatchInfo
 from srt.sampling.sampling_params import SamplingParams
+from srt.utils.host_to_device import host_lists_to_device
 
 if TYPE_CHECKING:
     from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -248,8 +249,9 @@ class ScheduleBatch:
         self.input_ids = [r.output_ids[-1] for r in self.reqs]
         self.positions = [r.kv_len for r in self.reqs]
         req_to_token = self.ctx.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], device=req_to_token.device)
-        cols = torch.tensor(self.positions, device=req_to_token.device)
+        rows, cols = host_lists_to_device(
+            [[r.req_pool_idx for r in self.reqs], self.positions], torch.int64, req_to_token.device
+        )
         req_to_token[rows, cols] = self.out_cache_loc.to(req_to_token.device)
         for req in self.reqs:
             req.kv_len += 1
@@ -287,15 +289,18 @@ class ScheduleBatch:
     # ------------------------------------------------------------------ to tensors
     def to_forward_batch(self, model_runner: Any) -> ForwardBatch:
         device = model_runner.device
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
         seq_lens_cpu = [r.kv_len for r in self.reqs]
+        rows = [r.req_pool_idx for r in self.reqs]
+        input_ids, positions, req_pool_indices, seq_lens = host_lists_to_device(
+            [self.input_ids, self.positions, rows, seq_lens_cpu], torch.int64, device
+        )
         batch = ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(self.reqs),
-            input_ids=as_tensor(self.input_ids),
-            positions=as_tensor(self.positions),
-            req_pool_indices=as_tensor([r.req_pool_idx for r in self.reqs]),
-            seq_lens=as_tensor(seq_lens_cpu),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
             seq_lens_cpu=seq_lens_cpu,
             out_cache_loc=self.out_cache_loc.to(device),
             req_to_token_pool=model_runner.req_to_token_pool,

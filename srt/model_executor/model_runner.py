@@ -43,6 +43,7 @@ from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
 from srt.server_args import ServerArgs
 from srt.utils.process import keep_heap_pages
+from srt.utils.sync_guard import forbid_host_sync
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class ModelRunner:
         self.dp_attention = server_args.enable_dp_attention
         self.last_dp_sync: DpSyncInfo | None = None  # DP attention: the last step's agreement
         self.num_idle_forward_steps = 0
+        # Fail any host synchronisation inside ``forward`` (``srt.utils.sync_guard``): the tests
+        # set it, on CPU too, to keep the step device-resident and capturable.
+        self.forbid_host_sync = os.environ.get("SRT_FORBID_HOST_SYNC") == "1"
         self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
@@ -222,6 +226,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """One prepared batch (planned, and synced under DP attention): ``forward_step``."""
+        if not self.forbid_host_sync:
+            return self._forward(forward_batch)
+        with forbid_host_sync(self.device):
+            return self._forward(forward_batch)
+
+    def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:

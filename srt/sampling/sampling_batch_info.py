@@ -10,6 +10,7 @@ import torch
 from srt.constrained.grammar import RequestGrammar, apply_bitmask_, batch_bitmask
 from srt.sampling import penalties
 from srt.sampling.sampling_params import SamplingParams
+from srt.utils.host_to_device import host_lists_to_device
 
 
 @dataclass
@@ -68,11 +69,13 @@ class SamplingBatchInfo:
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_ks = [1 if g else _top_k(p.top_k, vocab_size) for p, g in zip(params, greedy)]
         sampled = [(p, k) for p, k, g in zip(params, top_ks, greedy) if not g]
+        floats = [temps, [p.top_p for p in params], [p.min_p for p in params]]
+        temperatures, top_ps, min_ps = host_lists_to_device(floats, torch.float32, device)
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperatures=temperatures.unsqueeze(1),
+            top_ps=top_ps,
+            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device, non_blocking=True),
+            min_ps=min_ps,
             is_all_greedy=all(greedy),
             need_min_p=any(p.min_p > 0.0 for p, _ in sampled),
             need_top_p_top_k=any(p.top_p < 1.0 or k < vocab_size for p, k in sampled),

@@ -155,4 +155,4 @@ def test_grouped_experts_equal_per_expert_loop(hidden, inter):
             if 0 <= e < 4:
                 expected[t] += weights[t, j] * moe._expert(e, x[t : t + 1])[0]
     torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
-    assert moe._can_group(x) == (hidden % 4 == 0 and inter % 4 == 0)
+    assert (moe._grouped_kernel(x) == "grouped_mm") == (hidden % 4 == 0 and inter % 4 == 0)

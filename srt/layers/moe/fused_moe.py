@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,8 +13,25 @@ from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
 from srt.layers import cpu_kernels
 from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
 
-# Experts whose gate/up weight is at least this large run one GEMM each (see ``_can_group``).
+# On CPU, experts whose gate/up weight is at least this large run one GEMM each
+# (``FusedMoE._grouped_kernel``).
 GROUPED_MAX_EXPERT_BYTES = 1 << 20
+
+
+@functools.cache
+def _triton_kernels():
+    """``fused_moe_triton`` where triton imports (imported on first use: CPU serving never
+    needs it), else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from srt.layers.moe import fused_moe_triton
+
+    return fused_moe_triton
+
+
+@functools.cache
+def _has_grouped_mm(device: torch.device) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class FusedMoE(nn.Module):
@@ -111,53 +131,72 @@ class FusedMoE(nn.Module):
         num_tokens, top_k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(hidden_states)
+        if self._grouped_kernel(hidden_states) == "triton":
+            return _triton_kernels().fused_experts_triton(
+                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.start
+            )
+        # Every (token, slot) pair is kept, other ranks' last: their count is the device's to
+        # know, and cutting them off would synchronise with it.
         local_ids = (topk_ids - self.start).flatten()  # [T·topk]
         outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
         local_ids = local_ids.masked_fill(outside, self.num_local_experts)  # sorts last
-        order = torch.argsort(local_ids, stable=True)
-        counts = torch.bincount(local_ids, minlength=self.num_local_experts + 1)
-        num_local = num_tokens * top_k - int(counts[-1])
-        order = order[:num_local]
+        order = torch.argsort(local_ids, stable=True)  # [T·topk]
+        ends = self._expert_ends(local_ids.index_select(0, order))  # [E_local]
         # index_select: several times faster on CPU than indexing with a tensor.
-        x = hidden_states.index_select(0, order // top_k)  # [P, H], grouped by expert
-        if self._can_group(x):
-            out = self._grouped_experts(x, counts[:-1].cumsum(0).to(torch.int32))
+        x = hidden_states.index_select(0, order // top_k)  # [T·topk, H], grouped by expert
+        if self._grouped_kernel(x) == "grouped_mm":
+            out = self._grouped_experts(x, ends)
         else:
-            out = self._looped_experts(x, counts[:-1].tolist())
-        # One output row per (token, k) slot; other ranks' slots stay zero.
-        slots = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[1])
-        slots[order] = out
+            out = self._looped_experts(x, torch.diff(ends, prepend=ends.new_zeros(1)).tolist())
+        # Rows past the last local expert are not computed (they may hold anything): zero them.
+        out = torch.where(outside.index_select(0, order).unsqueeze(1), 0.0, out)
+        slots = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
         weights = topk_weights.to(hidden_states.dtype).unsqueeze(-1)  # [T, topk, 1]
         return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
 
-    def _can_group(self, x: torch.Tensor) -> bool:
-        """torch's grouped GEMM: on CPU, for row strides that are multiples of 16 bytes, and for
-        experts small enough that per-op overhead, not memory, bounds them. Large experts see
-        a few tokens each in decode, and the looped path gives those oneDNN's kernel on packed
-        weights (``srt.layers.linear.pack_weight``), which streams them several times faster."""
+    def _expert_ends(self, sorted_ids: torch.Tensor) -> torch.Tensor:
+        """The end row of each local expert in ``sorted_ids`` [P] (int32 [E_local]), found on
+        the device: ``bincount``'s output size depends on the values, so it synchronises."""
+        experts = torch.arange(1, self.num_local_experts + 1, device=sorted_ids.device)
+        return torch.searchsorted(sorted_ids, experts).to(torch.int32)
+
+    def _grouped_kernel(self, x: torch.Tensor) -> str:
+        """How the experts run on ``x``'s device and dtype: ``grouped_mm`` (torch's grouped
+        GEMM), ``triton`` (``fused_moe_triton``: one launch per projection) or ``loop`` (one
+        GEMM per expert, after reading the counts on the host).
+
+        GPU: ``torch._grouped_mm`` takes bf16 on sm90 and newer (12× the loop on an H100 for
+        one layer's gate/up, 512 rows × 128 experts); other dtypes and devices take the Triton
+        kernel. Neither synchronises with the host. CPU: the grouped GEMM, for row strides that
+        are multiples of 16 bytes and experts small enough that per-op overhead, not memory,
+        bounds them; large experts see a few tokens each in decode, and the loop gives those
+        oneDNN's kernel on packed weights (``srt.layers.linear.pack_weight``), which streams
+        them several times faster."""
         align = 16 // x.element_size()
-        return (
-            x.device.type == "cpu"
-            and hasattr(torch, "_grouped_mm")
-            and x.shape[1] % align == 0
-            and self.intermediate_size % align == 0
-            and self.w13_weight[0].nbytes < GROUPED_MAX_EXPERT_BYTES
-        )
+        aligned = x.shape[1] % align == 0 and self.intermediate_size % align == 0
+        if x.device.type == "cuda":
+            if aligned and x.dtype == torch.bfloat16 and _has_grouped_mm(x.device):
+                return "grouped_mm"
+            return "triton" if _triton_kernels() is not None else "loop"
+        small = self.w13_weight[0].nbytes < GROUPED_MAX_EXPERT_BYTES
+        return "grouped_mm" if hasattr(torch, "_grouped_mm") and aligned and small else "loop"
 
     def _grouped_experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x [P, H] sorted by expert, ``offsets`` [E] the end of each expert's rows."""
+        """x [P, H] sorted by expert, ``offsets`` [E] the end of each expert's rows (rows past
+        the last end are left uncomputed)."""
         gate_up = torch._grouped_mm(x, self.w13_weight.transpose(1, 2), offs=offsets)
         i = self.intermediate_size
         h = F.silu(gate_up[:, :i]) * gate_up[:, i:]
         return torch._grouped_mm(h, self.w2_weight.transpose(1, 2), offs=offsets)
 
     def _looped_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs, begin = [], 0
+        """x [P, H] sorted by expert, ``counts`` the rows of each; rows past them stay zero."""
+        out, begin = x.new_zeros(x.shape[0], self.w2_weight.shape[1]), 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(self._expert(e, x[begin : begin + n]))
+                out[begin : begin + n] = self._expert(e, x[begin : begin + n])
             begin += n
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w2_weight.shape[1])
+        return out
 
     # ---------------------------------------------------------------- single-batch overlap
     def up_project_blocks(

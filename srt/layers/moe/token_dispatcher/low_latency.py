@@ -53,6 +53,11 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
     check_inputs,
     mask_for_rank,
 )
+from srt.utils.sync_guard import allow_host_sync
+
+# The ragged wire runs on gloo, whose tensors live on the host: reading its counts waits for
+# nothing. On nccl whole blocks travel and nothing is read.
+GLOO_ONLY = "gloo's ragged wire: counts of host tensors"
 
 
 class _Slots(NamedTuple):
@@ -132,7 +137,8 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         send_slot = torch.where(sends, self._ranks * (c + 1) + 1 + pos, ep * (c + 1))  # [T, ep]
         self._pack(hidden_states, topk_weights, topk_ids, dest, send_slot, counts)
         if self.p2p is not None:
-            self._launch_ragged(counts.tolist())
+            with allow_host_sync(GLOO_ONLY):
+                self._launch_ragged(counts.tolist())
         else:
             splits, link_bytes = [c + 1] * ep, (c + 1) * self.fmt.row_bytes
             self._pending = self.exchange.launch(
@@ -200,7 +206,8 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         ep, c = self.layout.ep_size, self.capacity
         headers = self._recv_buf.view(ep, c + 1, -1)[:, 0]  # [ep, row_bytes]
         if self._counts is not None:  # host counts: the combine sends exactly these rows back
-            self._counts = (self._counts[0], read_headers(headers))
+            with allow_host_sync(GLOO_ONLY):
+                self._counts = (self._counts[0], read_headers(headers))
         counts = headers[:, :4].contiguous().view(torch.int32)  # [ep, 1], no host sync
         valid = self._slot_pos[None, :] < counts  # [ep, C]
         hidden, weights, ids = (

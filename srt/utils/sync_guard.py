@@ -1,0 +1,97 @@
+"""A guard against host synchronisation inside a forward pass.
+
+On a GPU, every tensor → Python conversion (``item``, ``tolist``, ``int(t)``, ``bool(t)``,
+``float(t)``, a tensor used as an index) and every operation whose output shape depends on
+tensor values (``nonzero``, ``bincount``, ``unique``, boolean-mask indexing,
+``repeat_interleave`` with tensor repeats and no ``output_size``) waits for the device: the host
+stalls, the queue of launched kernels drains, and the step cannot be captured in a CUDA graph.
+On CPU nothing waits, so such code passes every CPU test unnoticed; this guard makes it fail
+there too. ``forbid_host_sync()`` raises ``HostSyncError`` at the first such call made under
+it, on any device; on CUDA it also sets ``torch.cuda.set_sync_debug_mode("error")``, which
+catches the synchronisations it cannot see (a device → host copy, say).
+
+Metadata a step needs (lengths, slots, split points) is built on the host from the scheduler's
+own integers before the forward and moved to the device in one transfer, so nothing inside the
+forward needs the device's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Tensor → Python conversions, and operations whose output size depends on tensor values.
+_SYNCING = frozenset(
+    {
+        "item", "tolist", "__int__", "__bool__", "__float__", "__index__", "__complex__",
+        "nonzero", "argwhere", "bincount", "unique", "unique_consecutive", "masked_select",
+        "numpy", "__array__",
+    }
+)  # fmt: skip
+
+
+class HostSyncError(RuntimeError):
+    """A forward pass asked the device for a value (a host synchronisation on a GPU)."""
+
+
+def _has_mask_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in _SYNCING:
+        return True
+    if name in ("__getitem__", "__setitem__", "index_put_", "index_put") and len(args) > 1:
+        return _has_mask_index(args[1])
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    return False
+
+
+_allowed = threading.local()  # per thread: the reasons host reads are allowed right now
+
+
+class _SyncGuardMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not getattr(_allowed, "reasons", None) and _syncs(name, args, kwargs):
+            raise HostSyncError(
+                f"host synchronisation inside the forward: {name} "
+                "(build it on the host before the step, or keep it on the device)"
+            )
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device | str | None = None) -> Iterator[None]:
+    """Raise ``HostSyncError`` on any host synchronisation made under this context."""
+    device = torch.device(device) if device is not None else None
+    cuda = device is not None and device.type == "cuda"
+    previous = torch.cuda.get_sync_debug_mode() if cuda else None
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _SyncGuardMode():
+            yield
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def allow_host_sync(reason: str) -> Iterator[None]:
+    """Host reads that are no synchronisation where they run: code that only CPU tensors ever
+    reach (the gloo wire's host counts, say). ``reason`` says why, for the reader."""
+    reasons = _allowed.__dict__.setdefault("reasons", [])
+    reasons.append(reason)
+    try:
+        yield
+    finally:
+        reasons.pop()
