@@ -32,7 +32,8 @@ def parallel():
 
 def _inputs(num_tokens: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    rows = [torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)]
+    ids = torch.stack(rows) if rows else torch.empty(0, TOP_K, dtype=torch.int64)
     hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
     return hidden.cuda(), torch.rand(num_tokens, TOP_K, generator=gen).cuda(), ids.cuda()
 
