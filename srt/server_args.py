@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from srt.server_args_checks import (  # noqa: F401 (the choices are re-exported)
+    ATTENTION_BACKEND_CHOICES,
     DEEPEP_MODE_CHOICES,
     DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
     DEVICE_CHOICES,
@@ -23,6 +24,7 @@ from srt.server_args_checks import (  # noqa: F401 (the choices are re-exported)
     SCHEDULE_POLICY_CHOICES,
     TOOL_CALL_PARSER_CHOICES,
     check_gpus_per_node,
+    check_kernels,
     check_model_layout,
     check_overlap,
     check_parallel,
@@ -70,6 +72,27 @@ class ServerArgs:
         metadata=_arg("model", "Device; auto picks cuda when available.", choices=DEVICE_CHOICES),
     )
     random_seed: int = field(default=0, metadata=_arg("model", "Seed of the unseeded sampler."))
+    # Kernels and CUDA graphs
+    attention_backend: str = field(
+        default="auto",
+        metadata=_arg(
+            "kernels",
+            "Paged attention: triton (the default on CUDA) or torch_native (the default on CPU).",
+            choices=ATTENTION_BACKEND_CHOICES,
+        ),
+    )
+    disable_cuda_graph: bool = field(
+        default=False, metadata=_arg("kernels", "Decode eagerly instead of from CUDA graphs.")
+    )
+    cuda_graph_max_bs: int | None = field(
+        default=None,
+        metadata=_arg("kernels", "Largest decode batch replayed from a CUDA graph (default 64)."),
+    )
+    cuda_graph_bs: list[int] | None = field(
+        default=None,
+        metadata=_arg("kernels", "Decode batch sizes captured (default: 1, 2, 4, 8, then by 8).",
+                      nargs="+"),
+    )  # fmt: skip
     # Memory and scheduling
     max_total_tokens: int | None = field(
         default=None,
@@ -384,6 +407,7 @@ class ServerArgs:
         check_ranges(self)
         check_parallel(self)
         check_overlap(self)
+        check_kernels(self)
         if self.device == "cuda":
             check_gpus_per_node(self)
 
@@ -455,7 +479,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 groups[group].add_argument(*flags, action="store_true", **meta)
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
+            kind = {"int": int, "float": float, "list[int]": int}.get(
+                str(f.type).replace(" | None", ""), str
+            )
             groups[group].add_argument(*flags, type=kind, default=f.default, **meta)
 
     @classmethod

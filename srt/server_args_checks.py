@@ -5,7 +5,9 @@ DP attention off with one DP group), and by ``ServerArgs.check_against_model``."
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,6 +16,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("srt.server_args")
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+ATTENTION_BACKEND_CHOICES = ["auto", "triton", "torch_native"]
+DEFAULT_CUDA_GRAPH_MAX_BS = 64
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
 GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
 TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
@@ -302,3 +306,38 @@ def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
             f"{flag}: the model's num_key_value_heads ({kv_heads}) neither divides nor is "
             f"a multiple of the attention-TP size ({attn_tp})"
         )
+
+
+def check_kernels(self: ServerArgs) -> None:
+    """--attention-backend (auto: triton on CUDA where it imports, else torch_native) and the
+    CUDA-graph batch sizes (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs, no
+    larger than --max-running-requests)."""
+    backend = self.attention_backend
+    if backend not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        backend = "triton" if self.device == "cuda" and has_triton else "torch_native"
+    elif backend == "triton" and not has_triton:
+        raise ValueError("--attention-backend triton: the triton package is not installed")
+    elif backend == "triton" and self.device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError(
+            "--attention-backend triton runs on CUDA (on CPU only under Triton's interpreter, "
+            "TRITON_INTERPRET=1, for tests)"
+        )
+    self.attention_backend = backend
+    sizes = self.cuda_graph_bs
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        raise ValueError("--cuda-graph-bs: batch sizes must be ≥ 1")
+    if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+        raise ValueError("--cuda-graph-max-bs must be ≥ 1")
+    limit = min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+    if sizes is None:
+        sizes = [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
+    elif max(sizes) > limit:
+        raise ValueError(
+            f"--cuda-graph-bs {max(sizes)} is above --cuda-graph-max-bs / "
+            f"--max-running-requests ({limit})"
+        )
+    self.cuda_graph_bs = sorted(set(sizes))
+    self.cuda_graph_max_bs = self.cuda_graph_bs[-1]

@@ -226,7 +226,10 @@ def _child(
             prefix[0] += cut
             extend[0] -= cut
         fields |= dict(extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=extend)
-    seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    if cut:  # the cut sequence's length differs from the parent's
+        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    else:  # a view: a CUDA graph captured on the parent's buffers serves the children too
+        seq_lens_tensor = parent.seq_lens[s0:s1]
     return ForwardBatch(seq_lens=seq_lens_tensor, seq_lens_cpu=seq_lens, **fields)
 
 

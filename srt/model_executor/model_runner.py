@@ -37,6 +37,7 @@ from srt.managers.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -96,15 +97,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_heap_pages()  # activations reuse pages instead of faulting in fresh ones
         self.tbo_config = TboConfig.from_server_args(server_args)
-        kernels = cpu_kernels.load_library() if self.device.type == "cpu" else None
-        self.attn_backend = (
-            TboAttnBackend.init_new(
-                lambda: TorchNativeAttnBackend(kernels),
-                parent_attends_when_split=self.model.model.tbo_start_layer > 0,
-            )
-            if self.tbo_config.enabled
-            else TorchNativeAttnBackend(kernels)
-        )
+        self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
         weights = DecodeWeights.of(self.model)
         self.weight_bytes = weights.dense_bytes + weights.expert_bytes
@@ -125,6 +118,39 @@ class ModelRunner:
             self.set_operation_observer(OperationObserver())
         if self.step_overlap.policy is not None:
             calibrate(self)  # --overlap-mode auto: measure every mode before serving
+        self.graph_runner: CudaGraphRunner | None = None
+        if self._can_capture_graphs():
+            self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
+
+    def _init_attention_backend(self) -> None:
+        """``--attention-backend`` (resolved by ServerArgs), wrapped for two-batch overlap."""
+        if self.server_args.attention_backend == "triton":
+            from srt.layers.attention.triton_backend import TritonAttnBackend
+
+            create = TritonAttnBackend
+        else:
+            kernels = cpu_kernels.load_library() if self.device.type == "cpu" else None
+            create = lambda: TorchNativeAttnBackend(kernels)
+        self.attn_backend = (
+            TboAttnBackend.init_new(
+                create, parent_attends_when_split=self.model.model.tbo_start_layer > 0
+            )
+            if self.tbo_config.enabled
+            else create()
+        )
+
+    def _can_capture_graphs(self) -> bool:
+        """CUDA graphs for decode: on CUDA, unless disabled, where a decode step's inputs can
+        all live in static buffers (see ``cuda_graph_runner``)."""
+        sa = self.server_args
+        return (
+            self.device.type == "cuda"
+            and not sa.disable_cuda_graph
+            and sa.attention_backend == "triton"
+            and not self.dp_attention
+            and self.step_overlap.policy is None
+            and sa.overlap_mode != "sbo"
+        )
 
     def set_operation_observer(self, observer: OperationObserver | None) -> None:
         """Wrap every layer operation in a profiler marker (and, with ``observer.record``,
@@ -232,6 +258,22 @@ class ModelRunner:
             return self._forward(forward_batch)
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        forward_batch.sbo = self.step_overlap.mode == "sbo"
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(forward_batch):
+            out = graphs.replay(forward_batch)
+            self._count(forward_batch)
+            return out
+        self.prepare_forward(forward_batch)
+        self._count(forward_batch)
+        self.step_overlap.start()
+        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        self.step_overlap.finish()
+        return out
+
+    def prepare_forward(self, forward_batch: ForwardBatch) -> None:
+        """Everything a planned batch needs before the model runs on it: its TBO children,
+        the attention backend and its metadata (and the CPU threads for its kind of step)."""
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
         if self.cpu_threads is not None:
@@ -239,14 +281,11 @@ class ModelRunner:
                 forward_batch.global_forward_mode or forward_batch.forward_mode,
                 forward_batch.batch_size,
             )
-        forward_batch.sbo = self.step_overlap.mode == "sbo"
         self.attn_backend.init_forward_metadata(forward_batch)
-        mode = forward_batch.forward_mode.name.lower()
-        self.forward_step_counts[(forward_batch.can_run_tbo, forward_batch.sbo, mode)] += 1
-        self.step_overlap.start()
-        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        self.step_overlap.finish()
-        return out
+
+    def _count(self, batch: ForwardBatch) -> None:
+        mode = batch.forward_mode.name.lower()
+        self.forward_step_counts[(batch.can_run_tbo, batch.sbo, mode)] += 1
 
     def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every

@@ -32,7 +32,8 @@ class DeepseekV2MLA(nn.Module):
     sequence): the gathered latents are expanded by ``kv_b_proj`` into per-head keys
     ``[k_nope, k_pe]`` and values, and attention is plain MHA over ``qk_nope + qk_rope`` (as
     HF computes it, and SGLang and vLLM in prefill): a fraction of the absorbed form's work
-    when queries outnumber the heads' shared keys.
+    when queries outnumber the heads' shared keys. An attention backend that reads the latent
+    in place (Triton's, ``absorbed_mla_extend``) runs extend absorbed too, as decode.
 
     Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel by
     head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank
@@ -99,6 +100,11 @@ class DeepseekV2MLA(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat((k_nope, k_pe), dim=-1), value
 
+    def _expands(self, batch) -> bool:
+        """Extend expands per-head keys and values, unless the attention backend runs it
+        absorbed (the Triton kernels read the latent in place)."""
+        return batch.forward_mode.is_extend() and not batch.attn_backend.absorbed_mla_extend
+
     def op_prepare_attn(self, state: LayerState) -> None:
         x = state.pop("attn_input")
         if self.q_lora_rank is None:
@@ -112,7 +118,7 @@ class DeepseekV2MLA(nn.Module):
         kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
         k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
-        if state.batch.forward_mode.is_extend():
+        if self._expands(state.batch):
             q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
         else:
             w_uk, _ = self._kv_b()
@@ -122,7 +128,7 @@ class DeepseekV2MLA(nn.Module):
 
     def op_core_attn(self, state: LayerState) -> None:
         q, k, v = state.pop("attn_intermediate")
-        if state.batch.forward_mode.is_extend():
+        if self._expands(state.batch):
             state.put(attn_output=self.o_proj(self.attn_mha(q, k, v, state.batch)))
             return
         latent = self.attn(q, k, v, state.batch).view(-1, self.num_heads, self.kv_lora_rank)

@@ -22,7 +22,12 @@ class AttentionBackend(abc.ABC):
       ``batch.out_cache_loc`` (when ``save_kv_cache``), then attend each query to its sequence's
       cached prefix and to the new tokens causally. q: [T, H, D]; k: [T, Hk, D]; v: [T, Hk, Dv];
       returns [T, H, Dv]. Padded tokens (``out_cache_loc == 0``) may produce anything.
+
+    ``absorbed_mla_extend``: MLA models run extend in the absorbed form too (MQA over the
+    cached latent, as in decode) rather than expanding per-head keys and values.
     """
+
+    absorbed_mla_extend: bool = False
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...

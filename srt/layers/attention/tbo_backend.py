@@ -30,6 +30,7 @@ class TboAttnBackend(AttentionBackend):
             raise ValueError(f"two-batch overlap has two micro-batches, got {len(children)}")
         self.primary = primary
         self.children = children
+        self.absorbed_mla_extend = primary.absorbed_mla_extend
         self.parent_attends_when_split = parent_attends_when_split
 
     @classmethod

@@ -1,0 +1,147 @@
+"""CUDA graphs for decode (SGLang's ``CudaGraphRunner``).
+
+A decode step launches thousands of small kernels; replayed from a CUDA graph it costs one
+launch. At start-up the runner captures the model's decode forward once per batch-size bucket
+(``--cuda-graph-bs``, up to ``--cuda-graph-max-bs``) over static input buffers; a step then
+copies its inputs into the buffers, pads the batch to its bucket and replays the bucket's graph.
+
+- Padding rows decode a dummy token: request row 0 with one key, their K/V written to slot 0
+  (the pool's dummy slot), their logits dropped.
+- What the forward reads must live in the buffers: the Triton attention backend's decode
+  metadata is the batch's own ``req_pool_indices`` and ``seq_lens`` (no host values), and the
+  two-batch-overlap children of a decode batch are views of its buffers, so both micro-batches
+  are captured in one graph (SGLang captures TBO the same way). Whether a bucket runs split is
+  the bucket's own plan (outputs are exact either way).
+- Not captured, so decoded eagerly: extend batches, batches above the largest bucket, DP
+  attention (the buckets do not yet fix every group's padding), single-batch overlap (its
+  blocked combine reads split sizes on the host), ``--overlap-mode auto`` (it times each
+  step), and attention backends whose decode metadata is built from host values
+  (``torch_native``).
+
+With ``eager=True`` (on CPU, where there are no graphs) "capture" keeps the callable and
+"replay" runs it over the same static buffers: the runner's logic (buckets, padding, buffer
+filling, output slicing) is tested that way.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from srt.model_executor.model_runner import ModelRunner
+
+
+@dataclass
+class _Graph:
+    """One bucket: its static batch (views of the buffers) and how to run it."""
+
+    batch: ForwardBatch
+    run: Callable[[], LogitsProcessorOutput]
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: ModelRunner, batch_sizes: list[int], eager: bool = False):
+        self.model_runner = model_runner
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        self.eager = eager
+        if not eager and model_runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device (eager=True replays them eagerly)")
+        self._init_buffers(model_runner.device)
+        self.pool = None  # the graphs' shared memory pool
+        self.num_replays = 0
+        self.graphs: dict[int, _Graph] = {}
+        for bs in reversed(self.batch_sizes):  # largest first: the others reuse its memory
+            self.graphs[bs] = self._capture(bs)
+
+    def _init_buffers(self, device: torch.device) -> None:
+        zeros = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.input_ids, self.positions = zeros(), zeros()
+        self.req_pool_indices, self.out_cache_loc = zeros(), zeros()
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The smallest captured batch size ≥ ``batch_size``; None above the largest."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.forward_mode.is_decode()
+            and batch.batch_size > 0
+            and self.bucket(batch.batch_size) is not None
+            and batch.global_num_tokens_cpu is None
+            and not batch.sbo
+        )
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        r = self.model_runner
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[1] * bs,  # host lengths: read by nothing a graph replays
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.token_to_kv_pool,
+        )
+        r.plan_two_batch_overlap(batch)
+        r.prepare_forward(batch)
+        return batch
+
+    def _capture(self, bs: int) -> _Graph:
+        batch = self._static_batch(bs)
+        model = self.model_runner.model
+        run = lambda: model(batch.input_ids, batch.positions, batch)
+        if self.eager:
+            return _Graph(batch, run)
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = run()
+        self.pool = graph.pool()
+
+        def replay() -> LogitsProcessorOutput:
+            graph.replay()
+            return output  # overwritten by the next replay: consumed before it
+
+        return _Graph(batch, replay)
+
+    def replay(self, batch: ForwardBatch) -> LogitsProcessorOutput:
+        """``batch``'s logits, from its bucket's graph (``can_run(batch)`` must hold)."""
+        n, bs = batch.batch_size, self.bucket(batch.batch_size)
+        graph = self.graphs[bs]
+        self._fill(batch, n, bs)
+        out = graph.run()
+        self.num_replays += 1
+        batch.can_run_tbo = graph.batch.can_run_tbo
+        return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
+
+    def _fill(self, batch: ForwardBatch, n: int, bs: int) -> None:
+        """The batch's inputs into rows [0, n) of the buffers; rows [n, bs) decode a dummy
+        token (device copies only: no host synchronisation)."""
+        for buf, src in (
+            (self.input_ids, batch.input_ids),
+            (self.positions, batch.positions),
+            (self.req_pool_indices, batch.req_pool_indices),
+            (self.seq_lens, batch.seq_lens),
+            (self.out_cache_loc, batch.out_cache_loc),
+        ):
+            buf[:n].copy_(src, non_blocking=True)
+        if n < bs:
+            for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
+                buf[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
