@@ -12,11 +12,15 @@ copies its inputs into the buffers, pads the batch to its bucket and replays the
   two-batch-overlap children of a decode batch are views of its buffers, so both micro-batches
   are captured in one graph (SGLang captures TBO the same way). Whether a bucket runs split is
   the bucket's own plan (outputs are exact either way).
-- Not captured, so decoded eagerly: extend batches, batches above the largest bucket, DP
-  attention (the buckets do not yet fix every group's padding), single-batch overlap (its
-  blocked combine reads split sizes on the host), ``--overlap-mode auto`` (it times each
-  step), and attention backends whose decode metadata is built from host values
-  (``torch_native``).
+- DP attention: when every group decodes (or is idle) and the largest group's batch fits a
+  bucket, every rank replays that bucket: each group pads its batch to it, an idle group runs
+  padding rows only, so each graph's DP padding (every group at the bucket: MAX_LEN) and its
+  collectives are the same on every rank. The decision is read off the MLP sync, which every
+  rank shares, so no rank replays while another runs eagerly.
+- Not captured, so decoded eagerly: extend batches, batches above the largest bucket,
+  single-batch overlap (its blocked combine reads split sizes on the host),
+  ``--overlap-mode auto`` (it times each step), and attention backends whose decode metadata
+  is built from host values (``torch_native``).
 
 With ``eager=True`` (on CPU, where there are no graphs) "capture" keeps the callable and
 "replay" runs it over the same static buffers: the runner's logic (buckets, padding, buffer
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.managers.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -74,13 +79,22 @@ class CudaGraphRunner:
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        """Without DP attention: a decode batch that fits a bucket."""
         return (
             batch.forward_mode.is_decode()
             and batch.batch_size > 0
             and self.bucket(batch.batch_size) is not None
-            and batch.global_num_tokens_cpu is None
             and not batch.sbo
         )
+
+    def dp_bucket(self, info: DpSyncInfo, sbo: bool) -> int | None:
+        """DP attention: the bucket every rank replays this step (the same everywhere, from
+        the MLP sync's agreement), or None to run eagerly: every group decodes or is idle and
+        the largest group's batch fits a bucket. Each group pads its batch to the bucket (an
+        idle one runs padding rows only), so the captured DP padding holds."""
+        if sbo or not info.global_forward_mode.is_decode():
+            return None
+        return self.bucket(max(info.global_num_tokens))
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         r = self.model_runner
@@ -97,6 +111,9 @@ class CudaGraphRunner:
             token_to_kv_pool=r.token_to_kv_pool,
         )
         r.plan_two_batch_overlap(batch)
+        if r.dp_attention:  # every group at this bucket: the agreement of such a step
+            rows = [SyncRow.of(batch)] * r.parallel.attn_dp_size
+            apply_dp_sync(batch, dp_sync_info(rows, r.parallel.attn_tp_size))
         r.prepare_forward(batch)
         return batch
 
@@ -120,19 +137,31 @@ class CudaGraphRunner:
 
         return _Graph(batch, replay)
 
-    def replay(self, batch: ForwardBatch) -> LogitsProcessorOutput:
-        """``batch``'s logits, from its bucket's graph (``can_run(batch)`` must hold)."""
-        n, bs = batch.batch_size, self.bucket(batch.batch_size)
+    def replay(self, batch: ForwardBatch | None, bs: int | None = None) -> LogitsProcessorOutput:
+        """``batch``'s logits from bucket ``bs``'s graph (default: ``batch``'s own bucket;
+        ``can_run`` or ``dp_bucket`` must have agreed). ``batch`` None: an idle DP group's
+        step, padding rows only; its output has 0 rows."""
+        n = 0 if batch is None else batch.batch_size
+        bs = bs or self.bucket(n)
         graph = self.graphs[bs]
         self._fill(batch, n, bs)
         out = graph.run()
         self.num_replays += 1
-        batch.can_run_tbo = graph.batch.can_run_tbo
+        if batch is not None:
+            batch.can_run_tbo = graph.batch.can_run_tbo
         return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
 
-    def _fill(self, batch: ForwardBatch, n: int, bs: int) -> None:
+    def _fill(self, batch: ForwardBatch | None, n: int, bs: int) -> None:
         """The batch's inputs into rows [0, n) of the buffers; rows [n, bs) decode a dummy
         token (device copies only: no host synchronisation)."""
+        if n:
+            self._copy_inputs(batch, n)
+        if n < bs:
+            for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
+                buf[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+
+    def _copy_inputs(self, batch: ForwardBatch, n: int) -> None:
         for buf, src in (
             (self.input_ids, batch.input_ids),
             (self.positions, batch.positions),
@@ -141,7 +170,3 @@ class CudaGraphRunner:
             (self.out_cache_loc, batch.out_cache_loc),
         ):
             buf[:n].copy_(src, non_blocking=True)
-        if n < bs:
-            for buf in (self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc):
-                buf[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)

@@ -16,6 +16,7 @@ model runs its MoE layers on them interleaved."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -147,7 +148,6 @@ class ModelRunner:
             self.device.type == "cuda"
             and not sa.disable_cuda_graph
             and sa.attention_backend == "triton"
-            and not self.dp_attention
             and self.step_overlap.policy is None
             and sa.overlap_mode != "sbo"
         )
@@ -243,32 +243,47 @@ class ModelRunner:
             info.can_run_tbo, info.tbo_split_tokens = False, None
         if forward_batch is not None:
             apply_dp_sync(forward_batch, info)
-            return self.forward(forward_batch)
-        if info.all_idle:
+        elif info.all_idle:
             return None
-        self.num_idle_forward_steps += 1
+        else:
+            self.num_idle_forward_steps += 1
+        graphs, sbo = self.graph_runner, overlap.mode == "sbo"
+        bucket = None if graphs is None else graphs.dp_bucket(info, sbo)
+        if bucket is not None:  # every rank replays the same bucket
+            return self._replay(forward_batch, bucket)
+        if forward_batch is not None:
+            return self.forward(forward_batch)
         return self._forward_idle(info)
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """One prepared batch (planned, and synced under DP attention): ``forward_step``."""
-        if not self.forbid_host_sync:
+        with self._sync_guard():
             return self._forward(forward_batch)
-        with forbid_host_sync(self.device):
-            return self._forward(forward_batch)
+
+    def _sync_guard(self) -> contextlib.AbstractContextManager:
+        return forbid_host_sync(self.device) if self.forbid_host_sync else contextlib.nullcontext()
+
+    def _replay(self, forward_batch: ForwardBatch | None, bucket: int) -> LogitsProcessorOutput:
+        """DP attention: this rank's batch (None: its group is idle) from bucket's graph."""
+        with self._sync_guard():
+            out = self.graph_runner.replay(forward_batch, bucket)
+        tbo = self.graph_runner.graphs[bucket].batch.can_run_tbo
+        self.forward_step_counts[(tbo, False, "decode" if forward_batch else "idle")] += 1
+        return out
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         forward_batch.sbo = self.step_overlap.mode == "sbo"
         graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(forward_batch):
+        if graphs is not None and not self.dp_attention and graphs.can_run(forward_batch):
             out = graphs.replay(forward_batch)
-            self._count(forward_batch)
-            return out
-        self.prepare_forward(forward_batch)
-        self._count(forward_batch)
-        self.step_overlap.start()
-        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        self.step_overlap.finish()
+        else:
+            self.prepare_forward(forward_batch)
+            self.step_overlap.start()
+            out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            self.step_overlap.finish()
+        mode = forward_batch.forward_mode.name.lower()
+        self.forward_step_counts[(forward_batch.can_run_tbo, forward_batch.sbo, mode)] += 1
         return out
 
     def prepare_forward(self, forward_batch: ForwardBatch) -> None:
@@ -282,10 +297,6 @@ class ModelRunner:
                 forward_batch.batch_size,
             )
         self.attn_backend.init_forward_metadata(forward_batch)
-
-    def _count(self, batch: ForwardBatch) -> None:
-        mode = batch.forward_mode.name.lower()
-        self.forward_step_counts[(batch.can_run_tbo, batch.sbo, mode)] += 1
 
     def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every
