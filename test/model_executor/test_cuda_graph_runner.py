@@ -1,0 +1,126 @@
+"""The CUDA-graph runner's logic on CPU: "captured" callables run eagerly over the runner's
+static buffers (``eager=True``), with the Triton attention backend under Triton's interpreter.
+Decode through the buckets (padded batches included, with two-batch overlap captured in the
+bucket's graph) equals the plain eager forward of the torch-native backend in fp32, on one rank
+and on two with DP attention and the ``low_latency`` all-to-all (every group padded to one
+bucket, an idle group replaying padding rows only); a batch above the largest bucket decodes
+eagerly; the flags resolve to their buckets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.overlap_script import server_args
+from helpers.run_ranks import run_ranks
+from helpers.seq_driver import SeqDriver
+
+from srt.distributed.parallel_state import init_parallel_state
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+BUCKETS = [1, 2, 4]
+# Decode 3 sequences (bucket 4: one padding row), then 5 (above the buckets: eager).
+SCRIPT = [("extend", [[5, 77, 300], [44, 45, 46, 200], [101, 3]], None), ("decode",),
+          ("decode",), ("extend", [[7, 8], [9, 10, 11]], None), ("decode",)]  # fmt: skip
+
+
+def _logprobs(runner: ModelRunner) -> list[np.ndarray]:
+    driver, out = SeqDriver(runner), []
+    for action in SCRIPT:
+        logits = runner.forward_step(driver.batch(action)).next_token_logits
+        out.append(torch.log_softmax(logits, -1).numpy())
+    return out
+
+
+# The interpreter is slow: GQA with TBO captured, and MLA (absorbed extend and decode) without.
+@pytest.mark.parametrize("model,tbo", [("tiny-qwen3-moe", True), ("tiny-deepseek-v2", False)])
+def test_bucket_replay_equals_eager_forward(tiny_models, model, tbo):
+    overrides = dict(
+        enable_two_batch_overlap=tbo, tbo_decode_token_threshold=0, tbo_prefill_token_threshold=0
+    )
+    path, backend = tiny_models[model], "torch" if tbo else "none"
+    want = _logprobs(ModelRunner(server_args(path, 1, 1, backend, **overrides)))
+    runner = ModelRunner(server_args(path, 1, 1, backend, attention_backend="triton", **overrides))
+    runner.graph_runner = graphs = CudaGraphRunner(runner, BUCKETS, eager=True)
+    assert graphs.graphs[4].batch.can_run_tbo == tbo  # both micro-batches in one "graph"
+    got = _logprobs(runner)
+    assert graphs.num_replays == 2  # the two decodes of 3 sequences; 5 ran eagerly
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, step
+        assert np.abs(g - w).max() <= 1e-5, f"step {step}: {np.abs(g - w).max():.2e}"
+        assert (g.argmax(-1) == w.argmax(-1)).all()
+
+
+# One column per DP group; None: the group has no batch (group 1 idle while group 0 decodes).
+DP_SCRIPT = [
+    [SCRIPT[0], ("extend", [[8, 9, 10], [11, 12]], None)],
+    [("decode",), ("decode",)],  # 3 and 2 sequences: both groups at bucket 4
+    [("decode",), None],  # group 1 replays padding rows only
+    [SCRIPT[3], None],
+    [("decode",), ("decode",)],  # 5 sequences in group 0: every group eager
+]
+
+
+def dp_worker(rank: int, n: int, init_method: str, path: str) -> dict:
+    torch.set_num_threads(1)
+    parallel = init_parallel_state(n, rank, n, True, "torch", "gloo", init_method)
+    try:
+        out = {}
+        for graphs in (False, True):
+            sa = server_args(
+                path, n, n, "torch", deepep_mode="low_latency", max_dispatch_tokens_per_rank=64,
+                enable_two_batch_overlap=True, tbo_decode_token_threshold=0,
+                tbo_prefill_token_threshold=0, attention_backend="triton" if graphs else "auto",
+            )  # fmt: skip
+            runner = ModelRunner(sa, parallel=parallel)
+            if graphs:
+                runner.graph_runner = CudaGraphRunner(runner, BUCKETS, eager=True)
+            driver, logprobs = SeqDriver(runner, salt=rank), []
+            for step in DP_SCRIPT:
+                action = step[rank]
+                logits = runner.forward_step(driver.batch(action) if action else None)
+                logprobs.append(torch.log_softmax(logits.next_token_logits, -1).numpy())
+            out[graphs] = logprobs
+        out["replays"] = runner.graph_runner.num_replays
+        out["counts"] = dict(runner.forward_step_counts)
+        return out
+    finally:
+        parallel.destroy()
+
+
+@pytest.mark.slow  # starts rank processes
+def test_dp_attention_buckets_equal_eager(tiny_models):
+    results = run_ranks(dp_worker, 2, tiny_models["tiny-qwen3-moe"], timeout=300)
+    for rank, out in enumerate(results):
+        assert out["replays"] == 2, rank  # steps 2 and 3, idle group included
+        for step, (g, w) in enumerate(zip(out[True], out[False])):
+            assert g.shape == w.shape, (rank, step)
+            assert np.abs(g - w).max(initial=0.0) <= 1e-5, (rank, step)
+    assert results[1]["counts"][True, False, "idle"] >= 1  # the idle group's replay, split
+
+
+def test_buckets_and_padding(tiny_models):
+    runner = ModelRunner(server_args(tiny_models["tiny-qwen3-moe"], 1, 1, "none"))
+    graphs = CudaGraphRunner(runner, [4, 1, 2], eager=True)
+    assert [graphs.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    driver = SeqDriver(runner)
+    runner.forward_step(driver.batch(SCRIPT[0]))
+    batch = driver.batch(("decode",))
+    assert graphs.can_run(batch)
+    graphs._fill(batch, 3, 4)
+    assert graphs.seq_lens[:4].tolist() == [*batch.seq_lens.tolist(), 1]
+    assert graphs.out_cache_loc[3] == 0 and graphs.req_pool_indices[3] == 0  # the dummy slot
+    with pytest.raises(ValueError, match="CUDA device"):
+        CudaGraphRunner(runner, [1])
+
+
+def test_cuda_graph_flags_resolve():
+    args = ServerArgs(model_path="m", device="cpu", max_running_requests=20)
+    assert args.cuda_graph_bs == [1, 2, 4, 8, 16] and args.cuda_graph_max_bs == 16
+    args = ServerArgs(model_path="m", device="cpu", cuda_graph_bs=[3, 1, 3])
+    assert args.cuda_graph_bs == [1, 3] and args.cuda_graph_max_bs == 3
+    with pytest.raises(ValueError, match="--cuda-graph-bs"):
+        ServerArgs(model_path="m", device="cpu", cuda_graph_bs=[128], cuda_graph_max_bs=64)
+    assert ServerArgs(model_path="m", device="cpu").attention_backend == "torch_native"
