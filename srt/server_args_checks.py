@@ -309,9 +309,8 @@ def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
 
 
 def check_kernels(self: ServerArgs) -> None:
-    """--attention-backend (auto: triton on CUDA where it imports, else torch_native) and the
-    CUDA-graph batch sizes (default: 1, 2, 4, 8, then every 8 up to --cuda-graph-max-bs, no
-    larger than --max-running-requests)."""
+    """--attention-backend (auto: triton on CUDA where it imports, else torch_native) and, on
+    CUDA, the CUDA-graph batch sizes (``cuda_graph_batch_sizes``)."""
     backend = self.attention_backend
     if backend not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}")
@@ -326,18 +325,32 @@ def check_kernels(self: ServerArgs) -> None:
             "TRITON_INTERPRET=1, for tests)"
         )
     self.attention_backend = backend
-    sizes = self.cuda_graph_bs
+    graph_flags = self.cuda_graph_bs is not None or self.cuda_graph_max_bs is not None
+    if self.device != "cuda":
+        if graph_flags:
+            raise ValueError("--cuda-graph-bs / --cuda-graph-max-bs apply to --device cuda")
+        return
+    self.cuda_graph_bs = cuda_graph_batch_sizes(
+        self.cuda_graph_bs, self.cuda_graph_max_bs, self.max_running_requests
+    )
+    self.cuda_graph_max_bs = self.cuda_graph_bs[-1]
+
+
+def cuda_graph_batch_sizes(
+    sizes: list[int] | None, max_bs: int | None, max_running_requests: int
+) -> list[int]:
+    """The decode batch sizes captured: ``--cuda-graph-bs``, else 1, 2, 4, 8, then every 8 up
+    to ``--cuda-graph-max-bs`` (default 64), never above ``--max-running-requests``."""
     if sizes is not None and (not sizes or min(sizes) < 1):
         raise ValueError("--cuda-graph-bs: batch sizes must be ≥ 1")
-    if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+    if max_bs is not None and max_bs < 1:
         raise ValueError("--cuda-graph-max-bs must be ≥ 1")
-    limit = min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+    limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running_requests)
     if sizes is None:
-        sizes = [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
-    elif max(sizes) > limit:
+        return [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
+    if max(sizes) > limit:
         raise ValueError(
             f"--cuda-graph-bs {max(sizes)} is above --cuda-graph-max-bs / "
             f"--max-running-requests ({limit})"
         )
-    self.cuda_graph_bs = sorted(set(sizes))
-    self.cuda_graph_max_bs = self.cuda_graph_bs[-1]
+    return sorted(set(sizes))

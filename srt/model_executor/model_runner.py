@@ -144,13 +144,17 @@ class ModelRunner:
         """CUDA graphs for decode: on CUDA, unless disabled, where a decode step's inputs can
         all live in static buffers (see ``cuda_graph_runner``)."""
         sa = self.server_args
-        return (
-            self.device.type == "cuda"
-            and not sa.disable_cuda_graph
-            and sa.attention_backend == "triton"
-            and self.step_overlap.policy is None
-            and sa.overlap_mode != "sbo"
-        )
+        if self.device.type != "cuda" or sa.disable_cuda_graph:
+            return False
+        why_not = [
+            (not self.attn_backend.static_decode_metadata, "--attention-backend torch_native"),
+            (self.step_overlap.policy is not None, "--overlap-mode auto"),
+            (sa.overlap_mode == "sbo", "single-batch overlap"),
+        ]
+        reasons = [reason for off, reason in why_not if off]
+        if reasons:
+            logger.info("CUDA graphs off (decode runs eagerly): %s", ", ".join(reasons))
+        return not reasons
 
     def set_operation_observer(self, observer: OperationObserver | None) -> None:
         """Wrap every layer operation in a profiler marker (and, with ``observer.record``,

@@ -164,7 +164,7 @@ def test_decode_follows_lengths_copied_into_the_same_tensors(layout):
 def test_decode_metadata_reads_no_device_tensor_and_empty_batches_launch_nothing():
     pool, req_pool, _, layer = _setup("gqa", [])
     backend = TritonAttnBackend()
-    assert backend.decode_metadata_is_static()
+    assert backend.static_decode_metadata
     batch = _batch(ForwardMode.DECODE, pool, req_pool, [], [], [])
     on_meta = torch.empty(4, dtype=torch.int64, device="meta")  # any read would raise
     batch.req_pool_indices, batch.seq_lens, batch.batch_size = on_meta, on_meta, 4

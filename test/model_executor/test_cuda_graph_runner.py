@@ -19,6 +19,7 @@ from srt.distributed.parallel_state import init_parallel_state
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
+from srt.server_args_checks import cuda_graph_batch_sizes
 
 BUCKETS = [1, 2, 4]
 # Decode 3 sequences (bucket 4: one padding row), then 5 (above the buckets: eager).
@@ -117,10 +118,12 @@ def test_buckets_and_padding(tiny_models):
 
 
 def test_cuda_graph_flags_resolve():
-    args = ServerArgs(model_path="m", device="cpu", max_running_requests=20)
-    assert args.cuda_graph_bs == [1, 2, 4, 8, 16] and args.cuda_graph_max_bs == 16
-    args = ServerArgs(model_path="m", device="cpu", cuda_graph_bs=[3, 1, 3])
-    assert args.cuda_graph_bs == [1, 3] and args.cuda_graph_max_bs == 3
+    assert cuda_graph_batch_sizes(None, None, 20) == [1, 2, 4, 8, 16]
+    assert cuda_graph_batch_sizes(None, 24, 256) == [1, 2, 4, 8, 16, 24]
+    assert cuda_graph_batch_sizes([3, 1, 3], None, 256) == [1, 3]
     with pytest.raises(ValueError, match="--cuda-graph-bs"):
-        ServerArgs(model_path="m", device="cpu", cuda_graph_bs=[128], cuda_graph_max_bs=64)
-    assert ServerArgs(model_path="m", device="cpu").attention_backend == "torch_native"
+        cuda_graph_batch_sizes([128], 64, 256)
+    args = ServerArgs(model_path="m", device="cpu")
+    assert args.attention_backend == "torch_native" and args.cuda_graph_bs is None
+    with pytest.raises(ValueError, match="apply to --device cuda"):
+        ServerArgs(model_path="m", device="cpu", cuda_graph_max_bs=8)

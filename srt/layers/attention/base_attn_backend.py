@@ -25,9 +25,12 @@ class AttentionBackend(abc.ABC):
 
     ``absorbed_mla_extend``: MLA models run extend in the absorbed form too (MQA over the
     cached latent, as in decode) rather than expanding per-head keys and values.
+    ``static_decode_metadata``: decode reads nothing but the batch's own tensors (no host
+    values), so a CUDA graph captured on static buffers replays it with new values.
     """
 
     absorbed_mla_extend: bool = False
+    static_decode_metadata: bool = False
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...

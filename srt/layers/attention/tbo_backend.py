@@ -31,6 +31,7 @@ class TboAttnBackend(AttentionBackend):
         self.primary = primary
         self.children = children
         self.absorbed_mla_extend = primary.absorbed_mla_extend
+        self.static_decode_metadata = primary.static_decode_metadata
         self.parent_attends_when_split = parent_attends_when_split
 
     @classmethod

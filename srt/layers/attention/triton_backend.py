@@ -7,7 +7,7 @@ flash-attention launch over every sequence's prefix and new tokens.
 - decode needs no metadata beyond the batch's own ``req_pool_indices`` and ``seq_lens``, and its
   launches depend only on shapes and on ``num_kv_splits``: the CUDA-graph runner can capture it
   once per batch size and replay it with new lengths written into the same tensors
-  (``decode_metadata_is_static``);
+  (``static_decode_metadata``);
 - extend's per-sequence prefix lengths, new lengths and first query rows are built on the host
   from the batch's lists and sent to the device in one transfer.
 
@@ -44,6 +44,9 @@ class TritonMetadata:
 class TritonAttnBackend(AttentionBackend):
     # MLA models must call extend in the absorbed form (MQA over the latent), not expanded.
     absorbed_mla_extend = True
+    # Decode reads only the batch's ``req_pool_indices`` and ``seq_lens`` tensors, so a
+    # captured graph stays valid when new values are copied into them.
+    static_decode_metadata = True
 
     def __init__(
         self, num_kv_splits: int = 8, block_n: int | None = None, block_m: int | None = None
@@ -54,11 +57,6 @@ class TritonAttnBackend(AttentionBackend):
         from the head dim; small values let tests cross tiles with short sequences)."""
         self.num_kv_splits = num_kv_splits
         self.block_n, self.block_m = block_n, block_m
-
-    def decode_metadata_is_static(self) -> bool:
-        """Decode reads only the batch's ``req_pool_indices`` and ``seq_lens`` tensors, so a
-        captured graph stays valid when new values are copied into them."""
-        return True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if not batch.forward_mode.is_extend() or batch.batch_size == 0:
