@@ -11,8 +11,14 @@ Deterministic. Presets:
 - ``deepseek-v3``: DeepSeek-V3 shape (MLA with kv_lora_rank 512 and rope dim 64, the only MLA
   shape vLLM's CPU kernel takes; sigmoid grouped routing with correction bias, a shared
   expert, one dense first layer), hidden 256, 4 layers, 16 experts top-4.
+- ``qwen3-30b-a3b-4l``: Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts top-8 of
+  intermediate 768, 32 query / 4 KV heads of head_dim 128, vocab 151936) with 4 of its 48
+  layers, stored in bf16 (about 6 GB): a decode step reads what one of the real model's would,
+  per layer, for the GPU figures (``benchmark/gpu_report.py``). Token ids past the tokenizer's
+  512 only pad the vocabulary; their logits are damped like the other unprintable ones.
 
-    python benchmark/make_random_model.py --out-dir DIR [--preset emulated|small|deepseek-v3]
+    python benchmark/make_random_model.py --out-dir DIR \
+        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
 from make_tiny_models import (
     EOS_TOKEN,
     _write_json,
@@ -84,7 +91,26 @@ DEEPSEEK_V3 = {
     "moe_intermediate_size": 128,
     "intermediate_size": 512,
 }
-QWEN3_MOE_PRESETS = {"mid": MID_SIZE, "emulated": EMULATED, "small": SMALL}
+QWEN3_30B_A3B_4L = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_MOE_PRESETS = {
+    "mid": MID_SIZE,
+    "emulated": EMULATED,
+    "small": SMALL,
+    "qwen3-30b-a3b-4l": QWEN3_30B_A3B_4L,
+}
 PRESETS = [*QWEN3_MOE_PRESETS, "deepseek-v3"]
 
 
@@ -102,7 +128,10 @@ def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
     else:
         cfg = deepseek_config(3, vocab_size, eos_id) | DEEPSEEK_V3
         name, shapes = preset, deepseek_shapes(cfg)
-    tensors = make_tensors(name, shapes, unprintable_token_ids(tok, vocab_size))
+    tensors = make_tensors(name, shapes, unprintable_token_ids(tok, cfg["vocab_size"]))
+    if cfg["torch_dtype"] != "float32":  # stored as the config says: bf16 halves 12 GB
+        dtype = getattr(torch, cfg["torch_dtype"])
+        tensors = {key: t.to(dtype) for key, t in tensors.items()}
     save_tokenizer(tok, out)
     save_weights(tensors, out, num_shards=4)
     _write_json(out / "config.json", cfg)  # written last: its presence means complete

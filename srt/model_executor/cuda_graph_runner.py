@@ -117,6 +117,7 @@ class CudaGraphRunner:
         r.prepare_forward(batch)
         return batch
 
+    @torch.inference_mode()  # as the forward it replays: no autograd state in the graph
     def _capture(self, bs: int) -> _Graph:
         batch = self._static_batch(bs)
         model = self.model_runner.model
