@@ -117,9 +117,9 @@ class ModelRunner:
         self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
+        self.graph_runner: CudaGraphRunner | None = None
         if self.step_overlap.policy is not None:
             calibrate(self)  # --overlap-mode auto: measure every mode before serving
-        self.graph_runner: CudaGraphRunner | None = None
         if self._can_capture_graphs():
             self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
 
