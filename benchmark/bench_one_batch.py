@@ -61,8 +61,15 @@ from op_timeline import (  # noqa: E402
 
 
 def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int, parallel=None):
+    graphs = {}
+    if server_args.cuda_graph_bs is not None:  # CUDA: the batch measured has a graph of its own
+        sizes = {b for b in server_args.cuda_graph_bs if b <= max_batch_size} | {max_batch_size}
+        graphs = dict(cuda_graph_bs=sorted(sizes), cuda_graph_max_bs=None)
     args = dataclasses.replace(
-        server_args, max_total_tokens=max(max_tokens, 16), max_running_requests=max_batch_size
+        server_args,
+        max_total_tokens=max(max_tokens, 16),
+        max_running_requests=max_batch_size,
+        **graphs,
     )
     runner = ModelRunner(args, parallel=parallel)
     cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device)

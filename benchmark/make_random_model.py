@@ -130,8 +130,8 @@ def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
         name, shapes = preset, deepseek_shapes(cfg)
     tensors = make_tensors(name, shapes, unprintable_token_ids(tok, cfg["vocab_size"]))
     if cfg["torch_dtype"] != "float32":  # stored as the config says: bf16 halves 12 GB
-        dtype = getattr(torch, cfg["torch_dtype"])
-        tensors = {key: t.to(dtype) for key, t in tensors.items()}
+        for key, t in tensors.items():  # one at a time: the float32 copies go as they come
+            tensors[key] = t.to(getattr(torch, cfg["torch_dtype"]))
     save_tokenizer(tok, out)
     save_weights(tensors, out, num_shards=4)
     _write_json(out / "config.json", cfg)  # written last: its presence means complete
