@@ -9,13 +9,20 @@
   and the dispatch is the shorter wait to fill in a decode step): the plain operations list
   places them between ``dispatch_a`` and ``dispatch_b``.
 
-Wire of a blocked combine: one row per (token, local expert) pair, already multiplied by its
-routing weight, instead of one per (token, rank); a token with two experts in different blocks
-of one rank comes back in two rows. Both sides know the layout without exchanging counts: the
-receiver from the ids it got (``DownGemmOverlapArgs``: its pairs by block, rows in the order it
-received them, slots in top-k order), the sender from the ids it sent (``CombineOverlapArgs``:
-per block, which of its tokens each returning row belongs to, and how many rows each rank
-returns), because both use the same blocks.
+Two wires for a blocked combine:
+- Pair wire (``normal``, ``blocked_combine``): one row per (token, local expert) pair, already
+  multiplied by its routing weight, instead of one per (token, rank); a token with two experts
+  in different blocks of one rank comes back in two rows. Both sides know the layout without
+  exchanging counts: the receiver from the ids it got (``DownGemmOverlapArgs``: its pairs by
+  block, rows in the order it received them, slots in top-k order), the sender from the ids it
+  sent (``CombineOverlapArgs``: per block, which of its tokens each returning row belongs to,
+  and how many rows each rank returns), because both use the same blocks. Only the pairs
+  travel, but the split sizes are host values (``compute_overlap_args`` reads them).
+- Row wire (``low_latency``, ``fixed_blocked_combine``; ``RowSumOverlapArgs``): every block
+  sends back the whole fixed ``[ep·C, H]`` buffer of the dispatch, each row carrying the
+  weighted sum of its outputs from the block's experts (zero where none), with equal splits;
+  the sender adds the blocks up. ``num_blocks`` times the bytes of the unblocked combine, and
+  no host value anywhere: no synchronisation, capturable in a CUDA graph.
 
 Where the block combines run (:func:`make_combine_stream`):
 - CPU (gloo): each block's collective is launched from the calling thread and progresses in
@@ -54,6 +61,25 @@ def partition_blocks(num_local_experts: int, num_blocks: int) -> torch.Tensor:
     if num_blocks < 1:
         raise ValueError(f"--sbo-num-blocks must be ≥ 1, got {num_blocks}")
     return torch.arange(num_local_experts) * num_blocks // max(1, num_local_experts)
+
+
+def block_ranges(num_local_experts: int, num_blocks: int) -> list[range]:
+    """The local experts of each block of ``partition_blocks``, from the two counts alone (host
+    integers, no tensor): expert e is in block ``e·num_blocks // num_local_experts``."""
+    if num_blocks < 1:
+        raise ValueError(f"--sbo-num-blocks must be ≥ 1, got {num_blocks}")
+    e = max(1, num_local_experts)
+    bounds = [min(num_local_experts, -(-b * e // num_blocks)) for b in range(num_blocks + 1)]
+    return [range(bounds[b], bounds[b + 1]) for b in range(num_blocks)]
+
+
+@dataclass(frozen=True)
+class RowSumOverlapArgs:
+    """Receiver side of the row wire (see the module docstring): block b's combine sends, for
+    every dispatched row, the weighted sum of its outputs from the experts of
+    ``block_ranges(E_local, num_blocks)[b]``; no layout to plan, so nothing but the count."""
+
+    num_blocks: int
 
 
 @dataclass

@@ -1,20 +1,28 @@
 """Single-batch overlap without a model: the block partition, the blocked-combine layout
-(``compute_overlap_args``) against a brute-force reading of the same routing, the SM split and
-the CPU combine stream."""
+(``compute_overlap_args``) against a brute-force reading of the same routing, the experts'
+blocked halves in every kind (``blocked_experts``, without host synchronisation) against a
+per-pair reference, the SM split and the CPU combine stream."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from srt.batch_overlap.single_batch_overlap import (
     SmSplit,
+    block_ranges,
     compute_overlap_args,
     default_num_blocks,
     make_combine_stream,
     partition_blocks,
 )
+from srt.layers.moe.blocked_experts import project_up
+from srt.layers.moe.fused_moe import FusedMoE
 from srt.server_args import ServerArgs
+from srt.utils.sync_guard import forbid_host_sync
 
 
 @pytest.mark.parametrize(
@@ -28,6 +36,15 @@ from srt.server_args import ServerArgs
 )
 def test_partition_is_contiguous_and_near_equal(experts, blocks, expected):
     assert partition_blocks(experts, blocks).tolist() == expected
+
+
+@pytest.mark.parametrize("experts, blocks", [(8, 4), (5, 2), (2, 3), (4, 1), (7, 3), (3, 5)])
+def test_block_ranges_are_the_partition(experts, blocks):
+    ranges = block_ranges(experts, blocks)
+    assert len(ranges) == blocks
+    assert [b for b, r in enumerate(ranges) for _ in r] == partition_blocks(
+        experts, blocks
+    ).tolist()
 
 
 def test_default_blocks_and_bad_count():
@@ -58,6 +75,62 @@ def test_overlap_args_match_the_routing():
     assert combine.token_idx[0].tolist() == [0, 3, 0, 2, 4, 4]
     # block 1: rank 0 {2,3}: (t1,k1), (t3,k1); rank 1 {6,7}: (t1,k0) e7, (t2,k1) e6
     assert combine.token_idx[1].tolist() == [1, 3, 1, 2]
+
+
+HIDDEN, INTER, TOP_K, ROWS = 32, 64, 3, 12
+
+
+def _rank_one_rows(seed: int):
+    """EP rank 1 of 2 (local experts 4..7 of 8) and rows as a low_latency dispatch leaves them:
+    ids of rank 0's experts masked to -1, the last rows invalid (ids -1, weights 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(8, HIDDEN, INTER, ep_rank=1, ep_size=2)
+    moe.w13_weight.data.copy_(torch.randn(4, 2 * INTER, HIDDEN, generator=gen) * 0.2)
+    moe.w2_weight.data.copy_(torch.randn(4, HIDDEN, INTER, generator=gen) * 0.2)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:TOP_K] for _ in range(ROWS)])
+    ids = ids.masked_fill(ids < 4, -1)
+    ids[-3:] = -1
+    weights = torch.rand(ROWS, TOP_K, generator=gen).masked_fill(ids < 0, 0.0)
+    return moe, torch.randn(ROWS, HIDDEN, generator=gen), weights, ids
+
+
+def _pair_output(moe: FusedMoE, hidden, weights, ids, row: int, slot: int) -> torch.Tensor:
+    e = int(ids[row, slot]) - moe.start
+    gate_up = moe.w13_weight[e] @ hidden[row]
+    act = F.silu(gate_up[:INTER]) * gate_up[INTER:]
+    return weights[row, slot] * (moe.w2_weight[e] @ act)
+
+
+@pytest.mark.parametrize("kind", ["grouped_mm", "loop", "triton", "cpu_kernel"])
+def test_blocked_experts_equal_the_pairs(kind):
+    """3 blocks over 4 local experts: each block's row sums (row wire) and pair outputs (pair
+    wire) against the pairs computed one by one; nothing but the loop reads a device value."""
+    moe, hidden, weights, ids = _rank_one_rows(seed=3)
+    if kind == "cpu_kernel":
+        moe.pack_weights()
+        if moe.panels is None:
+            pytest.skip("no C kernels on this machine")
+    guard = contextlib.nullcontext if kind == "loop" else forbid_host_sync
+    local = ids - moe.start
+    with guard():
+        projection = project_up(moe, kind, hidden, weights, ids)
+    for experts in block_ranges(4, 3):
+        rows, slots = ((local >= experts.start) & (local < experts.stop)).nonzero(as_tuple=True)
+        pairs = [_pair_output(moe, hidden, weights, ids, r, k) for r, k in zip(rows, slots)]
+        expected = torch.zeros(ROWS, HIDDEN).index_add_(0, rows, torch.stack(pairs))
+        with guard():
+            sums = projection.row_sums(experts)
+            outputs = projection.pair_outputs(experts, rows, slots)
+        assert (sums - expected).abs().max().item() <= 1e-5, experts
+        assert (outputs - torch.stack(pairs)).abs().max().item() <= 1e-5, experts
+
+
+def test_blocked_experts_of_no_rows():
+    moe, hidden, weights, ids = _rank_one_rows(seed=4)
+    projection = project_up(moe, "grouped_mm", hidden[:0], weights[:0], ids[:0])
+    assert projection.row_sums(range(0, 2)).shape == (0, HIDDEN)
+    none = torch.zeros(0, dtype=torch.int64)
+    assert projection.pair_outputs(range(0, 2), none, none).shape == (0, HIDDEN)
 
 
 @pytest.mark.parametrize(

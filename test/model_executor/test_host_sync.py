@@ -1,12 +1,14 @@
 """No host synchronisation inside a decode forward: the PyTorch path (``SRT_CPU_KERNELS=0``, the
 code a GPU runs) decodes under ``forbid_host_sync``, which fails on any tensor → Python
 conversion or value-sized operation inside ``ModelRunner.forward``, for Qwen3-MoE, DeepSeek-V2
-and V3: on one rank, and on two ranks with DP attention, the ``low_latency`` all-to-all and
-two-batch overlap forced on (a step where one DP group is idle included). The guard itself is
-checked to fire on each kind of synchronisation."""
+and V3: on one rank, and on two ranks with DP attention and the ``low_latency`` all-to-all,
+with two-batch overlap forced on and with single-batch overlap (its fixed-shape blocked
+combine), a step where one DP group is idle included. The guard itself is checked to fire on
+each kind of synchronisation."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -73,15 +75,21 @@ def sync_worker(rank: int, n: int, init_method: str, paths: dict) -> dict:
             runner = ModelRunner(server_args(path, 1, 1, "none"))
             out[name, "plain"] = _decode_guarded(runner, SeqDriver(runner), idle=False)
     parallel = init_parallel_state(n, rank, n, True, "torch", "gloo", init_method)
+    overlaps = {
+        "tbo": dict(
+            enable_two_batch_overlap=True, tbo_decode_token_threshold=0,
+            tbo_prefill_token_threshold=0,
+        ),
+        "sbo": dict(enable_single_batch_overlap=True, sbo_num_blocks=3),  # blocks of 2, 1, 1
+    }  # fmt: skip
     try:
-        for name, path in paths.items():
+        for (name, path), (overlap, flags) in itertools.product(paths.items(), overlaps.items()):
             sa = server_args(
                 path, n, n, "torch", deepep_mode="low_latency", max_dispatch_tokens_per_rank=64,
-                enable_two_batch_overlap=True, tbo_decode_token_threshold=0,
-                tbo_prefill_token_threshold=0,
+                **flags,
             )  # fmt: skip
             runner = ModelRunner(sa, parallel=parallel)
-            out[name, "tbo"] = _decode_guarded(runner, SeqDriver(runner, rank), idle=rank == 1)
+            out[name, overlap] = _decode_guarded(runner, SeqDriver(runner, rank), idle=rank == 1)
     finally:
         parallel.destroy()
     return out
@@ -99,3 +107,7 @@ def test_decode_forward_has_no_host_sync(tiny_models):
         # both decode steps ran split under the guard, the idle one on rank 1 included
         assert results[0][name, "tbo"][True, False, "decode"] == 2
         assert results[1][name, "tbo"][True, False, "idle"] == 1
+        # and with single-batch overlap: every step blocked, the idle one included
+        assert results[0][name, "sbo"][False, True, "decode"] == 2
+        assert results[1][name, "sbo"][False, True, "decode"] == 1
+        assert results[1][name, "sbo"][False, True, "idle"] == 1

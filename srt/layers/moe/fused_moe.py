@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
+from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs, RowSumOverlapArgs
 from srt.layers import cpu_kernels
 from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
+from srt.layers.moe.blocked_experts import BlockedProjection, project_up
 
 # On CPU, experts whose gate/up weight is at least this large run one GEMM each
 # (``FusedMoE._grouped_kernel``).
@@ -204,36 +205,23 @@ class FusedMoE(nn.Module):
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        args: DownGemmOverlapArgs,
-    ) -> list[tuple]:
-        """SBO, first half: the gated up-projection of every (row, slot) pair of every block,
-        grouped by expert; ``down_project_block`` finishes one block at a time."""
-        blocks = []
-        for rows, slots in zip(args.pair_rows, args.pair_slots):
-            local = topk_ids[rows, slots].long() - self.start
-            order = torch.argsort(local, stable=True)
-            counts = torch.bincount(local, minlength=self.num_local_experts).tolist()
-            x, acts, begin = hidden_states.index_select(0, rows[order]), [], 0
-            for e, n in enumerate(counts):
-                if n:
-                    gate_up = self._linear(x[begin : begin + n], e, 0)
-                    i = self.intermediate_size
-                    acts.append((e, F.silu(gate_up[:, :i]) * gate_up[:, i:]))
-                begin += n
-            weights = topk_weights[rows, slots][order].to(hidden_states.dtype).unsqueeze(-1)
-            blocks.append((order, acts, weights))
-        return blocks
+        args: DownGemmOverlapArgs | RowSumOverlapArgs,
+    ) -> BlockedProjection:
+        """SBO, first half: the gated up-projection of every (row, slot) pair of this rank's
+        experts (with the C kernel, nothing yet); ``down_project_block`` finishes one block at a
+        time. No host synchronisation but in the ``loop`` kind (see ``blocked_experts``)."""
+        kind = self._grouped_kernel(hidden_states)
+        if self.panels is not None and hidden_states.dtype == torch.float32:
+            kind = "cpu_kernel"
+        projection = project_up(self, kind, hidden_states, topk_weights, topk_ids)
+        return BlockedProjection(projection, args, self.num_local_experts)
 
-    def down_project_block(self, blocks: list[tuple], index: int, hidden_size: int):
-        """SBO, second half for block ``index``: its pairs' weighted outputs ``[P, H]`` in the
+    def down_project_block(self, blocks: BlockedProjection, index: int) -> torch.Tensor:
+        """SBO, second half for block ``index``: with ``RowSumOverlapArgs`` (low_latency) each
+        row's weighted outputs of the block's experts summed, ``[R, H]``; with
+        ``DownGemmOverlapArgs`` (normal) the block's pairs' weighted outputs ``[P, H]`` in the
         block's pair order (the order its combine sends them)."""
-        order, acts, weights = blocks[index]
-        if not acts:
-            return weights.new_zeros(0, hidden_size)
-        out_sorted = torch.cat([self._linear(a, e, 1) for e, a in acts]) * weights
-        out = torch.empty_like(out_sorted)
-        out[order] = out_sorted
-        return out
+        return blocks.down(index)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear(x, e, 0)

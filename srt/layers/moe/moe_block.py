@@ -19,6 +19,7 @@ from torch import nn
 from srt.batch_overlap.operations import LayerState
 from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.linear import linear, pack_weight
+from srt.layers.moe.blocked_experts import BlockedProjection
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
@@ -105,24 +106,22 @@ class SparseMoeBlock(nn.Module):
         state.put(dispatch_output=out)
 
     def op_experts(self, state: LayerState) -> None:
-        """With single-batch overlap only the up-projections: the down-projections run block
-        by block in ``op_combine_a``, each block's combine launched as it ends."""
+        """With single-batch overlap only the up-projections (``FusedMoE.up_project_blocks``):
+        the down-projections run block by block in ``op_combine_a``, each block's combine
+        launched as it ends."""
         hidden, weights, ids = state.pop("dispatch_output")
         args = getattr(self.dispatcher(state), "overlap_args", None)
         if args is None:
             state.put(expert_output=self.experts(hidden, weights, ids))
             return
-        blocks = self.experts.up_project_blocks(hidden, weights, ids, args)
-        state.put(expert_output=_BlockedExperts(blocks, hidden.shape[1]))
+        state.put(expert_output=self.experts.up_project_blocks(hidden, weights, ids, args))
 
     def op_combine_a(self, state: LayerState) -> None:
         dispatcher, out = self.dispatcher(state), state.pop("expert_output")
-        if not isinstance(out, _BlockedExperts):
+        if not isinstance(out, BlockedProjection):
             self.comm_meter.timed(dispatcher.combine_a, out)
             return
-        dispatcher.combine_a_blocks(
-            lambda index: self.experts.down_project_block(out.blocks, index, out.hidden_size)
-        )
+        dispatcher.combine_a_blocks(lambda index: self.experts.down_project_block(out, index))
 
     def op_combine_b(self, state: LayerState) -> None:
         state.put(routed_output=self.comm_meter.timed(self.dispatcher(state).combine_b))
@@ -135,10 +134,3 @@ class SparseMoeBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + state.pop("shared_output")
         state.put(mlp_output=out)
-
-
-class _BlockedExperts:
-    """Single-batch overlap: the up-projected pairs of every block, awaiting their down GEMM."""
-
-    def __init__(self, blocks: list[tuple], hidden_size: int):
-        self.blocks, self.hidden_size = blocks, hidden_size

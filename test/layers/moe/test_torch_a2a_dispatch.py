@@ -1,8 +1,11 @@
 """The torch all-to-all dispatchers against a single-process MoE: dispatch → this rank's experts
-→ combine must equal all experts applied to the rank's own tokens (fp32, ≤ 1e-5)."""
+→ combine must equal all experts applied to the rank's own tokens (fp32, ≤ 1e-5). The
+low_latency mode's blocked combine (and its whole dispatcher on the wire nccl runs,
+``ragged=False``) runs under ``forbid_host_sync``."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -12,10 +15,12 @@ from helpers.run_ranks import run_ranks
 
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.auto import TorchA2AAutoDispatcher
+from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
+from srt.utils.sync_guard import forbid_host_sync
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -137,24 +142,51 @@ def _through_blocked(dispatcher, local: FusedMoE, inputs, is_extend: bool, bound
     dispatcher.dispatch_a(*inputs, is_extend=is_extend, global_max_tokens=bound)
     hidden, weights, ids = dispatcher.dispatch_b()
     blocks = local.up_project_blocks(hidden, weights, ids, dispatcher.overlap_args)
-    dispatcher.combine_a_blocks(lambda i: local.down_project_block(blocks, i, hidden.shape[1]))
+    dispatcher.combine_a_blocks(lambda i: local.down_project_block(blocks, i))
     return dispatcher.combine_b()
 
 
+def _fixed_wire(groups, rank: int, world: int, sbo_num_blocks: int | None):
+    """A low_latency dispatcher sending whole blocks on gloo too: the wire nccl runs."""
+    dispatcher = TorchA2ALowLatencyDispatcher(
+        groups, rank, world, 4 * world, TOP_K, HIDDEN, torch.float32, CAPACITY,
+        duplex_min_bytes=DUPLEX_MIN_BYTES, ragged=False,
+    )  # fmt: skip
+    assert dispatcher.p2p is None
+    if sbo_num_blocks:
+        layout, fmt = dispatcher.layout, dispatcher.fmt
+        dispatcher.enable_blocked(BlockedCombine(sbo_num_blocks, layout, fmt, dispatcher.exchange))
+    return dispatcher
+
+
+def _guard(mode: str, is_extend: bool):
+    """The low_latency steps run without host synchronisation (gloo's ragged counts are read
+    under ``allow_host_sync``); the normal mode's count exchange and pair wire synchronise."""
+    sync_free = mode in ("low_latency", "fixed_wire") or (mode == "auto" and not is_extend)
+    return forbid_host_sync() if sync_free else contextlib.nullcontext()
+
+
 def _check_blocked(rank: int, world: int, groups) -> None:
-    """The blocked combine in every mode, with 3 blocks over 4 local experts (sizes 2, 1, 1)
-    and with one block, on every routing case; the same instance also combines unblocked."""
+    """The blocked combine in every mode (and on the fixed wire), with 3 blocks over 4 local
+    experts (sizes 2, 1, 1) and with one block, on every routing case; the same instance also
+    combines unblocked."""
     ref, local = _experts(rank, world, HIDDEN, torch.float32)
-    for mode, blocks in itertools.product(MODES, (3, 1)):
-        dispatcher = _make(mode, groups, rank, world, sbo_num_blocks=blocks)
+    for mode, blocks in itertools.product((*MODES, "fixed_wire"), (3, 1)):
+        if mode == "fixed_wire":
+            dispatcher = _fixed_wire(groups, rank, world, blocks)
+        else:
+            dispatcher = _make(mode, groups, rank, world, sbo_num_blocks=blocks)
         for seed, case in enumerate(CASES):
             inputs = _routing(case, rank, world, seed, HIDDEN, torch.float32)
             for is_extend in (True, False) if mode == "auto" else (True,):
                 bound = MAX_TOKENS if seed % 2 else None
-                out = _through_blocked(dispatcher, local, inputs, is_extend, bound)
+                with _guard(mode, is_extend):
+                    out = _through_blocked(dispatcher, local, inputs, is_extend, bound)
                 _assert_matches(out, ref, inputs)
         inputs = _routing("random", rank, world, 99, HIDDEN, torch.float32)
-        _assert_matches(_through(dispatcher, local, inputs, False), ref, inputs)
+        with _guard(mode, False):
+            out = _through(dispatcher, local, inputs, False)
+        _assert_matches(out, ref, inputs)
         dispatcher.dispatch_a(*inputs, is_extend=False)
         dispatcher.dispatch_b()
         with pytest.raises(RuntimeError, match="combine block 1 launched after 0"):

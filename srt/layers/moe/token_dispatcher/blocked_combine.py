@@ -1,8 +1,12 @@
-"""Single-batch overlap's combine, block by block, for the ``torch`` dispatchers (normal and
-low_latency alike): the wire and the layout are in ``srt.batch_overlap.single_batch_overlap``.
+"""Single-batch overlap's combine, block by block, for the ``torch`` dispatchers: the wires and
+the layout are in ``srt.batch_overlap.single_batch_overlap``.
 
-The dispatcher plans it in ``dispatch_b`` from the ids it sent and the rows it received (no
-counts are exchanged for it), ``combine_a_block`` launches one block, ``combine_b`` finishes.
+``BlockedCombine`` is the pair wire (the normal mode's): only the block's (token, expert) pairs
+travel, with split sizes both sides derive on the host from the ids (``compute_overlap_args``:
+``nonzero``, ``bincount``, host lists), so it synchronises on a GPU, as the normal mode's count
+exchange does anyway. The low_latency mode combines on the row wire instead
+(``fixed_blocked_combine``: fixed shapes, no host values). Either is planned by its dispatcher
+in ``dispatch_b``; ``combine_a_block`` launches one block, ``combine_b`` finishes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from torch.distributed import ProcessGroup
 
 from srt.batch_overlap.single_batch_overlap import (
     CombineOverlapArgs,
+    CudaCombineStream,
     DownGemmOverlapArgs,
+    HostCombineStream,
+    RowSumOverlapArgs,
     compute_overlap_args,
     make_combine_stream,
 )
@@ -27,8 +34,44 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
 )
 
 
-class BlockedCombine:
-    """One dispatcher's blocked combines, one dispatch at a time.
+class BlockOrder:
+    """What every blocked combine shares: its blocks, exchange and combine stream, and the
+    order of its calls (every block launched in order, on every rank, then one finish)."""
+
+    overlap_args: DownGemmOverlapArgs | RowSumOverlapArgs | None = None  # the planned dispatch's
+
+    def __init__(
+        self,
+        num_blocks: int,
+        layout: EPLayout,
+        fmt: RowFormat,
+        exchange: DuplexAllToAll,
+        stream: HostCombineStream | CudaCombineStream,
+    ):
+        if num_blocks < 1:
+            raise ValueError(f"--sbo-num-blocks must be ≥ 1, got {num_blocks}")
+        self.num_blocks, self.layout, self.fmt = num_blocks, layout, fmt
+        self.exchange, self.stream = exchange, stream
+        self._alive: list[torch.Tensor] = []  # block buffers, kept until the join
+        self._launched = 0
+
+    def _next_block(self, index: int) -> None:
+        if self.overlap_args is None:
+            raise RuntimeError("combine_a_block without a planned blocked combine")
+        if index != self._launched:
+            raise RuntimeError(f"combine block {index} launched after {self._launched}")
+        self._launched += 1
+
+    def _join(self) -> None:
+        """Wait for every block (on CUDA: the compute stream waits for the combine stream)."""
+        if self._launched != self.num_blocks:
+            raise RuntimeError(f"combine_b after {self._launched} of {self.num_blocks} blocks")
+        self.stream.join()
+        self._alive, self._launched = [], 0
+
+
+class BlockedCombine(BlockOrder):
+    """One dispatcher's blocked combines on the pair wire, one dispatch at a time.
 
     ``exchange``: the dispatcher's all-to-all; on CUDA ``combine_group`` (the EP group whose
     nccl CTAs are limited to the communication SMs), when given, replaces it."""
@@ -43,19 +86,13 @@ class BlockedCombine:
         communicate_sms: int | None = None,
         combine_group: ProcessGroup | None = None,
     ):
-        if num_blocks < 1:
-            raise ValueError(f"--sbo-num-blocks must be ≥ 1, got {num_blocks}")
-        self.num_blocks, self.layout, self.fmt = num_blocks, layout, fmt
-        self.exchange = exchange
         if combine_group is not None:
-            self.exchange = DuplexAllToAll([combine_group], layout.ep_rank, layout.ep_size)
-        self.stream = make_combine_stream(device, communicate_sms)
-        self.overlap_args: DownGemmOverlapArgs | None = None  # the planned dispatch's
+            exchange = DuplexAllToAll([combine_group], layout.ep_rank, layout.ep_size)
+        stream = make_combine_stream(device, communicate_sms)
+        super().__init__(num_blocks, layout, fmt, exchange, stream)
         self._combine_args: CombineOverlapArgs | None = None
         self._link_bytes = 0
         self._out: torch.Tensor | None = None
-        self._alive: list[torch.Tensor] = []  # block buffers, kept until combine_b
-        self._launched = 0
 
     def plan(
         self,
@@ -64,9 +101,9 @@ class BlockedCombine:
         recv_splits: list[int],
         link_rows: int,
     ) -> None:
-        """After a dispatch. ``link_rows``: the dispatch's largest link in rows (normal) or its
-        capacity (low_latency), the same on every rank: it decides whether a block's exchange
-        splits by link direction (``DuplexAllToAll``), identically everywhere."""
+        """After a dispatch. ``link_rows``: the dispatch's largest link in rows, the same on
+        every rank: it decides whether a block's exchange splits by link direction
+        (``DuplexAllToAll``), identically everywhere."""
         layout = self.layout
         self._combine_args, self.overlap_args = compute_overlap_args(
             self.num_blocks,
@@ -90,10 +127,7 @@ class BlockedCombine:
     def launch(self, index: int, block_output: torch.Tensor) -> None:
         """Block ``index`` (blocks in order, every one of them, on every rank); ``block_output``
         [P, H]: the block's weighted pair outputs in the order of ``overlap_args``."""
-        if self.overlap_args is None:
-            raise RuntimeError("combine_a_block without a planned blocked combine")
-        if index != self._launched:
-            raise RuntimeError(f"combine block {index} launched after {self._launched}")
+        self._next_block(index)
         send_splits = self.overlap_args.send_splits[index]
         recv_splits = self._combine_args.recv_splits[index]
         token_idx, out = self._combine_args.token_idx[index], self._out
@@ -108,15 +142,11 @@ class BlockedCombine:
             lambda: self.exchange.launch(recv, send, recv_splits, send_splits, self._link_bytes),
             lambda: out.index_add_(0, token_idx, recv),
         )
-        self._launched += 1
 
     def finish(self) -> torch.Tensor:
         """Wait for every block; → ``[T, H]``, each token's expert outputs summed."""
-        if self._launched != self.num_blocks:
-            raise RuntimeError(f"combine_b after {self._launched} of {self.num_blocks} blocks")
-        self.stream.join()
+        self._join()
         out = self._out
-        self._alive, self._launched = [], 0
         self.drop()
         return out
 
@@ -127,11 +157,11 @@ class BlockedCombineDispatcher(TokenDispatcher):
     ``dispatch_a``, plan ``blocked`` in ``dispatch_b`` when it is set, drop it in an unblocked
     ``combine_a`` and finish it in ``combine_b``."""
 
-    blocked: BlockedCombine | None = None  # this dispatch's (None: an unblocked combine)
-    _blocked_combine: BlockedCombine | None = None  # the one attached, if any
+    blocked: BlockOrder | None = None  # this dispatch's (None: an unblocked combine)
+    _blocked_combine: BlockOrder | None = None  # the one attached, if any
     _guard: PhaseGuard
 
-    def enable_blocked(self, blocked: BlockedCombine) -> None:
+    def enable_blocked(self, blocked: BlockOrder) -> None:
         """Single-batch overlap: dispatches plan a blocked combine (unless one says not to)."""
         self._blocked_combine = self.blocked = blocked
 
@@ -141,7 +171,7 @@ class BlockedCombineDispatcher(TokenDispatcher):
         self.blocked = None if blocked_combine is False else self._blocked_combine
 
     @property
-    def overlap_args(self) -> DownGemmOverlapArgs | None:
+    def overlap_args(self) -> DownGemmOverlapArgs | RowSumOverlapArgs | None:
         """This dispatch's blocked-combine layout (SBO), for the experts' down-projection."""
         return None if self.blocked is None else self.blocked.overlap_args
 

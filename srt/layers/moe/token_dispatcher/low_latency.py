@@ -11,20 +11,23 @@ invalid rows, so FusedMoE skips them.
 Wire, combine: the expert outputs ``[ep_size·C, H]`` go back in the same slots (equal splits, no
 header: the sender knows where it put each token) and the sender sums its tokens' slots in fp32.
 
-On gloo only the valid rows travel, both ways (``ragged``): dispatch sends each peer its header
-and ``count`` rows into the peer's fixed block (point-to-point, the receive posted for the
-whole block), and combine returns exactly those rows into the same slots; the buffers, shapes
-and slots stay as above. On nccl, whose receives must match the sizes sent, whole blocks
-travel.
+On gloo only the valid rows travel, both ways (``ragged``, the default there): dispatch sends
+each peer its header and ``count`` rows into the peer's fixed block (point-to-point, the
+receive posted for the whole block), and combine returns exactly those rows into the same
+slots; the buffers, shapes and slots stay as above. Reading those counts waits for nothing (gloo
+tensors live on the host), so it is allowed under ``forbid_host_sync``. On nccl, whose receives
+must match the sizes sent, whole blocks travel; ``ragged=False`` makes gloo do the same
+(constant message sizes and no host value anywhere in the dispatcher, for whole blocks on the
+wire: the GPU's wire, on CPU).
 
 Capacity: a rank sends a token at most once to each rank, so ``T ≤ C`` can never overflow and is
 checked from shapes alone; only a larger batch costs a look at the counts.
 
 Single-batch overlap (``blocked``): the dispatch is unchanged; the combine goes back block by
-block of local experts with the normal mode's blocked wire (``blocked_combine``): only the valid
-rows' pairs travel, with split sizes both sides derive from the ids (the receiver reads its
-counts from the headers it received, the sender from the ids it sent), so still no count
-exchange, but no fixed shapes on the way back either.
+block of local experts on the row wire (``fixed_blocked_combine``), on every backend: each block
+sends the whole ``[ep·C, H]`` buffer back with equal splits, each row holding its outputs of the
+block's experts summed, and the sender adds the blocks up. Fixed shapes and no host value
+(``num_blocks`` × the combine's bytes for it), so a GPU runs it without synchronising.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from torch.distributed import ProcessGroup
 
 from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
-from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
+from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine, BlockedCombineDispatcher
+from srt.layers.moe.token_dispatcher.fixed_blocked_combine import FixedBlockedCombine
 from srt.layers.moe.token_dispatcher.ragged import (
     HEADER_ROWS,
     exchanges,
@@ -64,7 +68,6 @@ class _Slots(NamedTuple):
     """Where one dispatch put its tokens, for the combine."""
 
     combine_slot: torch.Tensor  # [T, ep] row of the combine buffer, ep·C (a zero row) if unsent
-    topk_ids: torch.Tensor  # [T, k] (for a blocked combine)
     num_tokens: int
     weights_dtype: torch.dtype
     ids_dtype: torch.dtype
@@ -74,7 +77,9 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
     """EP dispatcher with buffers of ``max_dispatch_tokens_per_rank`` rows per destination rank,
     allocated once per instance (one instance per micro-batch, so buffers never alias).
 
-    ``groups``, ``tag``: as for the normal dispatcher (one, or two for full duplex on gloo)."""
+    ``groups``, ``tag``: as for the normal dispatcher (one, or two for full duplex on gloo).
+    ``ragged``: on gloo, send only the valid rows (the default) or, False, whole blocks as on
+    nccl (see the module docstring); ignored elsewhere."""
 
     def __init__(
         self,
@@ -89,6 +94,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         device: torch.device | str = "cpu",
         duplex_min_bytes: int = DUPLEX_MIN_BYTES,
         tag: int = 0,
+        ragged: bool = True,
     ):
         if max_dispatch_tokens_per_rank < 1:
             raise ValueError("--max-dispatch-tokens-per-rank must be ≥ 1")
@@ -96,7 +102,9 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self.fmt = RowFormat(hidden_size, dtype, top_k)
         self.exchange = DuplexAllToAll(groups, ep_rank, ep_size, duplex_min_bytes)
         self.capacity = max_dispatch_tokens_per_rank
-        self.p2p, self.p2p_back = exchanges(groups, ep_rank, ep_size, tag)
+        self.p2p, self.p2p_back = (None, None)
+        if ragged:
+            self.p2p, self.p2p_back = exchanges(groups, ep_rank, ep_size, tag)
         self._counts: tuple[list[int], list[int]] | None = None  # ragged: (sent, received) rows
         self._back: PendingWork | None = None  # the combine's receives, posted at dispatch
         self._guard = PhaseGuard()
@@ -106,6 +114,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         self._init_buffers(torch.device(device))
 
     def _init_buffers(self, device: torch.device) -> None:
+        self.device = device
         ep, c, rb = self.layout.ep_size, self.capacity, self.fmt.row_bytes
         self._send_buf = torch.zeros(ep * (c + 1), rb, dtype=torch.uint8, device=device)
         self._recv_buf = torch.zeros(ep * (c + 1), rb, dtype=torch.uint8, device=device)
@@ -115,6 +124,11 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         )
         self._ranks = torch.arange(ep, device=device)
         self._slot_pos = torch.arange(c, device=device)
+
+    def enable_blocked(self, blocked: BlockedCombine) -> None:
+        """Single-batch overlap: combines on the row wire (``FixedBlockedCombine``), with the
+        blocks, exchange and combine stream of ``blocked``."""
+        super().enable_blocked(FixedBlockedCombine(blocked, self.capacity, self.device))
 
     def dispatch_a(
         self,
@@ -146,7 +160,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
             )
         combine_slot = torch.where(sends, self._ranks * c + pos, ep * c)  # [T, ep]
         self._slots = _Slots(
-            combine_slot, topk_ids, hidden_states.shape[0], topk_weights.dtype, topk_ids.dtype
+            combine_slot, hidden_states.shape[0], topk_weights.dtype, topk_ids.dtype
         )
 
     def _blocks(self, buf: torch.Tensor, rows: int, counts: list[int], extra: int = 0) -> list:
@@ -217,7 +231,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         invalid, slots = ~valid.view(ep * c, 1), self._slots
         ids = ids.masked_fill(invalid, -1)  # [ep·C, k]
         if self.blocked is not None:
-            self.blocked.plan(slots.topk_ids, ids, [c] * ep, c)
+            self.blocked.plan(slots.combine_slot, slots.num_tokens)
         return DispatchOutput(
             hidden,  # [ep·C, H]
             weights.masked_fill(invalid, 0.0).to(slots.weights_dtype),  # [ep·C, k]
