@@ -71,10 +71,10 @@ static inline __attribute__((always_inline)) void block_gemm(const struct rows *
 #endif
         for (int64_t i = 0; i < m; i++) {
             float s = in[i][k];
-            acc[i][0] += s * w0;
-            acc[i][1] += s * w1;
-            acc[i][2] += s * w2;
-            acc[i][3] += s * w3;
+            acc[i][0] = fma_vec(acc[i][0], s, w0);
+            acc[i][1] = fma_vec(acc[i][1], s, w1);
+            acc[i][2] = fma_vec(acc[i][2], s, w2);
+            acc[i][3] = fma_vec(acc[i][3], s, w3);
         }
     }
     for (int64_t i = 0; i < m; i++)
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void narrow_block_gemm(
         }
         for (int64_t i = 0; i < m; i++) {
             float s = in[i][k];
-            for (int q = 0; q < nv; q++) acc[i][q] += s * wq[q];
+            for (int q = 0; q < nv; q++) acc[i][q] = fma_vec(acc[i][q], s, wq[q]);
         }
     }
     for (int64_t i = 0; i < m; i++)

@@ -30,6 +30,19 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* acc + s·w as one fused multiply-add, always: left to the compiler, `acc += s * w` is fused in
+ * some inlined copies of a loop and not in others (seen with AVX2 for a narrow panel's partial
+ * row blocks), and a row's result would then depend on the block it was computed in. */
+static inline vec fma_vec(vec acc, float s, vec w) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)w, (__m512)acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)w, (__m256)acc);
+#else
+    return acc + s * w;
+#endif
+}
+
 /* The sum of a vector's lanes, in a fixed order: halves added pairwise (shuffles on x86). */
 static inline float sum_lanes(vec v) {
 #if defined(__AVX512F__)
