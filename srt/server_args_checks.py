@@ -330,27 +330,28 @@ def check_kernels(self: ServerArgs) -> None:
         if graph_flags:
             raise ValueError("--cuda-graph-bs / --cuda-graph-max-bs apply to --device cuda")
         return
-    self.cuda_graph_bs = cuda_graph_batch_sizes(
-        self.cuda_graph_bs, self.cuda_graph_max_bs, self.max_running_requests
-    )
+    limit = self.max_running_requests
+    if self.moe_a2a_backend == "torch":  # a graph decodes with low_latency, within its capacity
+        limit = min(limit, low_latency_fit(self))
+    self.cuda_graph_bs = cuda_graph_batch_sizes(self.cuda_graph_bs, self.cuda_graph_max_bs, limit)
     self.cuda_graph_max_bs = self.cuda_graph_bs[-1]
 
 
-def cuda_graph_batch_sizes(
-    sizes: list[int] | None, max_bs: int | None, max_running_requests: int
-) -> list[int]:
+def cuda_graph_batch_sizes(sizes: list[int] | None, max_bs: int | None, limit: int) -> list[int]:
     """The decode batch sizes captured: ``--cuda-graph-bs``, else 1, 2, 4, 8, then every 8 up
-    to ``--cuda-graph-max-bs`` (default 64), never above ``--max-running-requests``."""
+    to ``--cuda-graph-max-bs`` (default 64), never above ``limit``: ``--max-running-requests``
+    and, with the torch all-to-all, what fits the low_latency capacity (a larger decode would
+    fall back to the normal mode, whose sizes a graph cannot replay)."""
     if sizes is not None and (not sizes or min(sizes) < 1):
         raise ValueError("--cuda-graph-bs: batch sizes must be ≥ 1")
     if max_bs is not None and max_bs < 1:
         raise ValueError("--cuda-graph-max-bs must be ≥ 1")
-    limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running_requests)
+    limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, limit)
     if sizes is None:
         return [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
     if max(sizes) > limit:
         raise ValueError(
-            f"--cuda-graph-bs {max(sizes)} is above --cuda-graph-max-bs / "
-            f"--max-running-requests ({limit})"
+            f"--cuda-graph-bs {max(sizes)} is above --cuda-graph-max-bs, "
+            f"--max-running-requests or the low_latency capacity ({limit})"
         )
     return sorted(set(sizes))

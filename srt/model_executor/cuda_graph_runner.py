@@ -17,8 +17,11 @@ copies its inputs into the buffers, pads the batch to its bucket and replays the
   padding rows only, so each graph's DP padding (every group at the bucket: MAX_LEN) and its
   collectives are the same on every rank. The decision is read off the MLP sync, which every
   rank shares, so no rank replays while another runs eagerly.
-- Not captured, so decoded eagerly: extend batches, batches above the largest bucket,
-  single-batch overlap (its blocked combine reads split sizes on the host),
+- Single-batch overlap is captured with its combine stream forked and joined inside the
+  graph (events), on the low_latency dispatcher's fixed-shape blocked combine.
+- Not captured, so decoded eagerly: extend batches, batches above the largest bucket, the
+  ``normal`` all-to-all (``--deepep-mode normal``: its split sizes are host values, which a
+  graph would freeze; ``auto`` decodes with ``low_latency``, as SGLang's DeepEP rule),
   ``--overlap-mode auto`` (it times each step), and attention backends whose decode metadata
   is built from host values (``torch_native``).
 
@@ -84,15 +87,14 @@ class CudaGraphRunner:
             batch.forward_mode.is_decode()
             and batch.batch_size > 0
             and self.bucket(batch.batch_size) is not None
-            and not batch.sbo
         )
 
-    def dp_bucket(self, info: DpSyncInfo, sbo: bool) -> int | None:
+    def dp_bucket(self, info: DpSyncInfo) -> int | None:
         """DP attention: the bucket every rank replays this step (the same everywhere, from
         the MLP sync's agreement), or None to run eagerly: every group decodes or is idle and
         the largest group's batch fits a bucket. Each group pads its batch to the bucket (an
         idle one runs padding rows only), so the captured DP padding holds."""
-        if sbo or not info.global_forward_mode.is_decode():
+        if not info.global_forward_mode.is_decode():
             return None
         return self.bucket(max(info.global_num_tokens))
 
@@ -111,6 +113,7 @@ class CudaGraphRunner:
             token_to_kv_pool=r.token_to_kv_pool,
         )
         r.plan_two_batch_overlap(batch)
+        batch.sbo = r.step_overlap.mode == "sbo"  # a fixed mode (graphs are off under auto)
         if r.dp_attention:  # every group at this bucket: the agreement of such a step
             rows = [SyncRow.of(batch)] * r.parallel.attn_dp_size
             apply_dp_sync(batch, dp_sync_info(rows, r.parallel.attn_tp_size))
@@ -149,7 +152,7 @@ class CudaGraphRunner:
         out = graph.run()
         self.num_replays += 1
         if batch is not None:
-            batch.can_run_tbo = graph.batch.can_run_tbo
+            batch.can_run_tbo, batch.sbo = graph.batch.can_run_tbo, graph.batch.sbo
         return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
 
     def _fill(self, batch: ForwardBatch | None, n: int, bs: int) -> None:

@@ -149,7 +149,11 @@ class ModelRunner:
         why_not = [
             (not self.attn_backend.static_decode_metadata, "--attention-backend torch_native"),
             (self.step_overlap.policy is not None, "--overlap-mode auto"),
-            (sa.overlap_mode == "sbo", "single-batch overlap"),
+            (
+                sa.moe_a2a_backend == "torch" and sa.deepep_mode == "normal",
+                "--deepep-mode normal (its all-to-all sizes are host values: low_latency or "
+                "auto decode from graphs)",
+            ),
         ]
         reasons = [reason for off, reason in why_not if off]
         if reasons:
@@ -251,8 +255,8 @@ class ModelRunner:
             return None
         else:
             self.num_idle_forward_steps += 1
-        graphs, sbo = self.graph_runner, overlap.mode == "sbo"
-        bucket = None if graphs is None else graphs.dp_bucket(info, sbo)
+        graphs = self.graph_runner
+        bucket = None if graphs is None else graphs.dp_bucket(info)
         if bucket is not None:  # every rank replays the same bucket
             return self._replay(forward_batch, bucket)
         if forward_batch is not None:
@@ -272,8 +276,9 @@ class ModelRunner:
         """DP attention: this rank's batch (None: its group is idle) from bucket's graph."""
         with self._sync_guard():
             out = self.graph_runner.replay(forward_batch, bucket)
-        tbo = self.graph_runner.graphs[bucket].batch.can_run_tbo
-        self.forward_step_counts[(tbo, False, "decode" if forward_batch else "idle")] += 1
+        graph = self.graph_runner.graphs[bucket].batch
+        mode = "decode" if forward_batch else "idle"
+        self.forward_step_counts[(graph.can_run_tbo, graph.sbo, mode)] += 1
         return out
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

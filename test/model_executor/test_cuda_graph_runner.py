@@ -3,8 +3,8 @@ static buffers (``eager=True``), with the Triton attention backend under Triton'
 Decode through the buckets (padded batches included, with two-batch overlap captured in the
 bucket's graph) equals the plain eager forward of the torch-native backend in fp32, on one rank
 and on two with DP attention and the ``low_latency`` all-to-all (every group padded to one
-bucket, an idle group replaying padding rows only); a batch above the largest bucket decodes
-eagerly; the flags resolve to their buckets."""
+bucket, an idle group replaying padding rows only; TBO, and SBO with its blocked combine); a
+batch above the largest bucket decodes eagerly; the flags resolve to their buckets."""
 
 from __future__ import annotations
 
@@ -64,7 +64,15 @@ DP_SCRIPT = [
 ]
 
 
-def dp_worker(rank: int, n: int, init_method: str, path: str) -> dict:
+OVERLAPS = {
+    "tbo": dict(
+        enable_two_batch_overlap=True, tbo_decode_token_threshold=0, tbo_prefill_token_threshold=0
+    ),
+    "sbo": dict(enable_single_batch_overlap=True, sbo_num_blocks=3),
+}
+
+
+def dp_worker(rank: int, n: int, init_method: str, path: str, overlap: str) -> dict:
     torch.set_num_threads(1)
     parallel = init_parallel_state(n, rank, n, True, "torch", "gloo", init_method)
     try:
@@ -72,8 +80,7 @@ def dp_worker(rank: int, n: int, init_method: str, path: str) -> dict:
         for graphs in (False, True):
             sa = server_args(
                 path, n, n, "torch", deepep_mode="low_latency", max_dispatch_tokens_per_rank=64,
-                enable_two_batch_overlap=True, tbo_decode_token_threshold=0,
-                tbo_prefill_token_threshold=0, attention_backend="triton" if graphs else "auto",
+                attention_backend="triton" if graphs else "auto", **OVERLAPS[overlap],
             )  # fmt: skip
             runner = ModelRunner(sa, parallel=parallel)
             if graphs:
@@ -92,14 +99,17 @@ def dp_worker(rank: int, n: int, init_method: str, path: str) -> dict:
 
 
 @pytest.mark.slow  # starts rank processes
-def test_dp_attention_buckets_equal_eager(tiny_models):
-    results = run_ranks(dp_worker, 2, tiny_models["tiny-qwen3-moe"], timeout=300)
+@pytest.mark.parametrize("model,overlap", [("tiny-qwen3-moe", "tbo"), ("tiny-deepseek-v3", "sbo")])
+def test_dp_attention_buckets_equal_eager(tiny_models, model, overlap):
+    results = run_ranks(dp_worker, 2, tiny_models[model], overlap, timeout=300)
     for rank, out in enumerate(results):
         assert out["replays"] == 2, rank  # steps 2 and 3, idle group included
         for step, (g, w) in enumerate(zip(out[True], out[False])):
             assert g.shape == w.shape, (rank, step)
             assert np.abs(g - w).max(initial=0.0) <= 1e-5, (rank, step)
-    assert results[1]["counts"][True, False, "idle"] >= 1  # the idle group's replay, split
+    # the idle group's replay ran the overlap captured in the bucket's graph
+    key = (True, False, "idle") if overlap == "tbo" else (False, True, "idle")
+    assert results[1]["counts"][key] >= 1
 
 
 def test_buckets_and_padding(tiny_models):
