@@ -346,7 +346,8 @@ def cuda_graph_batch_sizes(sizes: list[int] | None, max_bs: int | None, limit: i
         raise ValueError("--cuda-graph-bs: batch sizes must be ≥ 1")
     if max_bs is not None and max_bs < 1:
         raise ValueError("--cuda-graph-max-bs must be ≥ 1")
-    limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, limit)
+    if sizes is None or max_bs is not None:
+        limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, limit)
     if sizes is None:
         return [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
     if max(sizes) > limit:

@@ -32,7 +32,9 @@ def _triton_kernels():
 
 @functools.cache
 def _has_grouped_mm(device: torch.device) -> bool:
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
+    # torch's grouped GEMM kernels are built for sm90 and sm100; elsewhere it loops over the
+    # groups reading their offsets on the host.
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 class FusedMoE(nn.Module):
