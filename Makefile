@@ -30,7 +30,7 @@ test-fast: lint
 	$(PY) -m pytest -q -x -m "not slow" test
 
 bench: install
-	$(PY) benchmark/bench_one_batch.py $(ARGS)
+	$(PY) benchmark/offline/bench_one_batch.py $(ARGS)
 
 # The GPU check (docs/gpu.md): on a machine with a CUDA GPU, with that machine's own python3
 # (not the CPU virtual environment); under 8 minutes on an H100.

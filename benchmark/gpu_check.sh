@@ -88,14 +88,14 @@ step_triton_tests() {
         test/layers/test_triton_backend.py test/layers/moe/test_fused_moe_triton.py
 }
 
-step_parity() { "$PY" benchmark/gpu_parity.py --device "$DEVICE" --check parity; }
-step_graphs() { "$PY" benchmark/gpu_parity.py --device "$DEVICE" --check graphs; }
-step_nosync() { "$PY" benchmark/gpu_parity.py --device "$DEVICE" --check nosync; }
+step_parity() { "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check parity; }
+step_graphs() { "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check graphs; }
+step_nosync() { "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check nosync; }
 
 step_report() {
     wait_for_model || return 1
     # shellcheck disable=SC2086
-    "$PY" benchmark/gpu_report.py --model-path "$BIG" --device "$DEVICE" --dtype "$DTYPE" \
+    "$PY" benchmark/gpu/gpu_report.py --model-path "$BIG" --device "$DEVICE" --dtype "$DTYPE" \
         $REPORT_ARGS
 }
 
@@ -115,7 +115,7 @@ step_serve() {
         tail -n 40 "$WORK/server.log"
         return 1
     fi
-    "$PY" benchmark/bench_serving.py --backend sglang --port "$port" --num-prompts 128 \
+    "$PY" benchmark/serving/bench_serving.py --backend sglang --port "$port" --num-prompts 128 \
         --random-input-len 256 --random-output-len 64 --random-range-ratio 1 \
         --max-concurrency 32 --disable-tqdm
 }
@@ -150,24 +150,18 @@ wait_for_model() {
     return 1
 }
 
-wait_healthy() { # port pid seconds
+wait_healthy() { # port pid seconds: the benchmarks' own probes (benchmark/common/)
     "$PY" - "$@" <<'EOF'
-import sys, time, urllib.request
-port, pid, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+import sys, time
+from benchmark.common.process import is_running
+from benchmark.common.server import http_ok
+port, pid, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 start = time.monotonic()
 while time.monotonic() - start < limit:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rpartition(")")[2].split()[0] == "Z":
-                sys.exit("the server exited during start-up")
-    except FileNotFoundError:
+    if not is_running(pid):
         sys.exit("the server exited during start-up")
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            if r.status == 200:
-                sys.exit(print(f"server up in {time.monotonic() - start:.0f} s"))
-    except OSError:
-        pass
+    if http_ok(f"http://127.0.0.1:{port}/health"):
+        sys.exit(print(f"server up in {time.monotonic() - start:.0f} s"))
     time.sleep(0.5)
 sys.exit(f"the server was not healthy after {limit:.0f} s")
 EOF
@@ -201,7 +195,7 @@ main() {
     # The 6 GB checkpoint of steps 6-7, written (random weights, on the CPU) while the steps
     # before them run: few threads, to leave the cores to Triton's compiler; none of the
     # wheels, which step 1 may be installing at that moment.
-    OMP_NUM_THREADS=4 PYTHONPATH="$PWD/launch" "$PY" benchmark/make_random_model.py \
+    OMP_NUM_THREADS=4 PYTHONPATH="$PWD/launch" "$PY" benchmark/offline/make_random_model.py \
         --out-dir "$BIG" --preset "$PRESET" >"$WORK/make_model.log" 2>&1 &
     export WRITER=$!
     run_step "1 setup: wheels, versions, tiny checkpoints" 30 setup

@@ -2,7 +2,7 @@
 integers 0-99 (``37+45=82``; subtraction only where the result is ≥ 0), and the same as chat
 turns (``What is 37+45?`` → ``82``). One fixed tenth of the problems of each operation
 is held out from training, for the accuracy benchmark. Shared by the trainer
-(``launch/train_tiny_models.py``) and ``benchmark/eval_accuracy.py``."""
+(``launch/train_tiny_models.py``) and ``benchmark/offline/eval_accuracy.py``."""
 
 from __future__ import annotations
 

@@ -8,21 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from srt.server_args_checks import (  # noqa: F401 (the choices are re-exported)
-    ATTENTION_BACKEND_CHOICES,
-    DEEPEP_MODE_CHOICES,
-    DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
-    DEVICE_CHOICES,
-    DTYPE_CHOICES,
-    GRAMMAR_BACKEND_CHOICES,
-    LOAD_BALANCE_CHOICES,
-    MOE_A2A_BACKEND_CHOICES,
-    SCHEDULE_POLICY_CHOICES,
-    TOOL_CALL_PARSER_CHOICES,
+from srt.server_args_checks import (
     check_gpus_per_node,
     check_kernels,
     check_model_layout,
@@ -31,10 +20,20 @@ from srt.server_args_checks import (  # noqa: F401 (the choices are re-exported)
     check_ranges,
     low_latency_fit,
 )
-
-logger = logging.getLogger(__name__)
-
-OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "auto"]
+from srt.server_args_choices import (
+    ATTENTION_BACKEND_CHOICES,
+    DEEPEP_MODE_CHOICES,
+    DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    GRAMMAR_BACKEND_CHOICES,
+    LOAD_BALANCE_CHOICES,
+    LOG_LEVEL_CHOICES,
+    MOE_A2A_BACKEND_CHOICES,
+    OVERLAP_MODE_CHOICES,
+    SCHEDULE_POLICY_CHOICES,
+    TOOL_CALL_PARSER_CHOICES,
+)
 
 
 def _arg(group: str, help: str, **kwargs: Any) -> dict[str, Any]:
@@ -384,7 +383,7 @@ class ServerArgs:
     )
     log_level: str = field(
         default="info",
-        metadata=_arg("logging", "Logging level.", choices=["debug", "info", "warning", "error"]),
+        metadata=_arg("logging", "Logging level.", choices=LOG_LEVEL_CHOICES),
     )
 
     def __post_init__(self) -> None:

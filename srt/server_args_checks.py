@@ -1,7 +1,7 @@
 """Start-up validation of the parallel layout, the overlap flags and the layout against the
-model (SGLang's rules); every error names its flags. Called once by
-``ServerArgs.check_and_resolve``, which passes itself (some checks resolve values: ``ep_size``,
-DP attention off with one DP group), and by ``ServerArgs.check_against_model``."""
+model (SGLang's rules); every error names its flags. Each check takes the ``ServerArgs`` being
+checked, and some resolve values in it (``ep_size``, DP attention off with one DP group).
+Called once by ``ServerArgs.check_and_resolve`` and by ``ServerArgs.check_against_model``."""
 
 from __future__ import annotations
 
@@ -10,77 +10,74 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from srt.server_args_choices import (
+    ATTENTION_BACKEND_CHOICES,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    GRAMMAR_BACKEND_CHOICES,
+    NO_DEEPEP,
+    OVERLAP_MODE_CHOICES,
+    SCHEDULE_POLICY_CHOICES,
+    TOOL_CALL_PARSER_CHOICES,
+)
+
 if TYPE_CHECKING:
     from srt.server_args import ServerArgs
 
 logger = logging.getLogger("srt.server_args")
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-DEVICE_CHOICES = ["auto", "cpu", "cuda"]
-ATTENTION_BACKEND_CHOICES = ["auto", "triton", "torch_native"]
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
-SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
-GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
-TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
-MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
-DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
-DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
-LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
-NO_DEEPEP = (
-    "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
-    "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
-)
 
 
-def check_ranges(self: ServerArgs) -> None:
+def check_ranges(args: ServerArgs) -> None:
     """Values out of range or not among a flag's choices."""
 
     def require(ok: bool, flag: str, msg: str) -> None:
         if not ok:
             raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
 
-    require(0 < self.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
+    require(0 < args.mem_fraction_static < 1, "mem_fraction_static", "must be in (0, 1)")
     require(
-        self.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
+        args.tool_call_parser in (None, *TOOL_CALL_PARSER_CHOICES),
         "tool_call_parser",
         f"must be one of {TOOL_CALL_PARSER_CHOICES}",
     )
-    max_whitespace = self.constrained_json_max_whitespace_cnt
+    max_whitespace = args.constrained_json_max_whitespace_cnt
     require(
         max_whitespace is None or max_whitespace > 0,
         "constrained_json_max_whitespace_cnt",
         "must be at least 1",
     )
     require(
-        self.max_total_tokens is None or self.max_total_tokens > 0,
+        args.max_total_tokens is None or args.max_total_tokens > 0,
         "max_total_tokens",
         "must be positive",
     )
     require(
-        self.max_running_requests is None or self.max_running_requests > 0,
+        args.max_running_requests is None or args.max_running_requests > 0,
         "max_running_requests",
         "must be positive",
     )
-    require(self.tp_size >= 1, "tp_size", "must be ≥ 1")
-    require(self.stream_interval >= 1, "stream_interval", "must be ≥ 1")
-    require(self.max_queued_requests >= 0, "max_queued_requests", "must be ≥ 0")
-    require(self.watchdog_timeout > 0, "watchdog_timeout", "must be positive")
+    require(args.tp_size >= 1, "tp_size", "must be ≥ 1")
+    require(args.stream_interval >= 1, "stream_interval", "must be ≥ 1")
+    require(args.max_queued_requests >= 0, "max_queued_requests", "must be ≥ 0")
+    require(args.watchdog_timeout > 0, "watchdog_timeout", "must be positive")
     require(
-        self.cpu_decode_threads is None or self.cpu_decode_threads >= 1,
+        args.cpu_decode_threads is None or args.cpu_decode_threads >= 1,
         "cpu_decode_threads",
         "must be ≥ 1",
     )
     require(
-        self.cpu_decode_threads is None or self.device == "cpu",
+        args.cpu_decode_threads is None or args.device == "cpu",
         "cpu_decode_threads",
         "applies to --device cpu only",
     )
-    require(self.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
+    require(args.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
     require(
-        self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,
+        args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0,
         "chunked_prefill_size",
         "must be positive or -1",
     )
-    require(self.context_length is None or self.context_length > 1, "context_length", "must be > 1")
+    require(args.context_length is None or args.context_length > 1, "context_length", "must be > 1")
     for name, choices in (
         ("dtype", DTYPE_CHOICES),
         ("kv_cache_dtype", DTYPE_CHOICES),
@@ -88,161 +85,162 @@ def check_ranges(self: ServerArgs) -> None:
         ("schedule_policy", SCHEDULE_POLICY_CHOICES),
         ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
     ):
-        require(getattr(self, name) in choices, name, f"must be one of {choices}")
+        require(getattr(args, name) in choices, name, f"must be one of {choices}")
 
 
-def low_latency_fit(self: ServerArgs) -> int:
+def low_latency_fit(args: ServerArgs) -> int:
     """Tokens one step may bring under --deepep-mode low_latency: the capacity per rank times
     the attention-TP ranks a group's tokens are spread over."""
-    dp = max(1, self.dp_size) if self.enable_dp_attention else 1
-    return self.max_dispatch_tokens_per_rank * max(1, self.tp_size // dp)
+    dp = max(1, args.dp_size) if args.enable_dp_attention else 1
+    return args.max_dispatch_tokens_per_rank * max(1, args.tp_size // dp)
 
 
-def check_parallel(self: ServerArgs) -> None:
+def check_parallel(args: ServerArgs) -> None:
     """The parallel layout (SGLang's rules); errors name the flags."""
-    tp, dp = self.tp_size, self.dp_size
+    tp, dp = args.tp_size, args.dp_size
     if dp < 1:
         raise ValueError("--dp-size: must be ≥ 1")
-    if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-        raise ValueError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
-    if tp % self.nnodes:
-        raise ValueError(f"--tp-size {tp} must be divisible by --nnodes {self.nnodes}")
-    if self.nnodes > 1 and not self.dist_init_addr:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if tp % args.nnodes:
+        raise ValueError(f"--tp-size {tp} must be divisible by --nnodes {args.nnodes}")
+    if args.nnodes > 1 and not args.dist_init_addr:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    if self.dist_init_addr:
-        host, _, port = self.dist_init_addr.rpartition(":")
+    if args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
-    if self.enable_dp_attention and dp == 1:
+            raise ValueError(f"--dist-init-addr {args.dist_init_addr!r}: expected HOST:PORT")
+    if args.enable_dp_attention and dp == 1:
         logger.warning("--enable-dp-attention with --dp-size 1 is plain TP: turned off")
-        self.enable_dp_attention = False
-    if dp > 1 and not self.enable_dp_attention:
-        if self.nnodes > 1:
+        args.enable_dp_attention = False
+    if dp > 1 and not args.enable_dp_attention:
+        if args.nnodes > 1:
             raise ValueError(
-                f"--dp-size {dp} over --nnodes {self.nnodes}: multi-node data parallelism "
+                f"--dp-size {dp} over --nnodes {args.nnodes}: multi-node data parallelism "
                 "needs --enable-dp-attention"
             )
         raise ValueError(
             f"--dp-size {dp} needs --enable-dp-attention (srt has no data-parallel "
             "replicas without DP attention)"
         )
-    if self.enable_dp_attention and tp % dp:
+    if args.enable_dp_attention and tp % dp:
         raise ValueError(f"--tp-size {tp} must be divisible by --dp-size {dp}")
-    if self.enable_dp_lm_head and not self.enable_dp_attention:
+    if args.enable_dp_lm_head and not args.enable_dp_attention:
         raise ValueError("--enable-dp-lm-head needs --enable-dp-attention")
-    if self.moe_a2a_backend != "none":
-        if self.ep_size not in (None, tp):
+    if args.moe_a2a_backend != "none":
+        if args.ep_size not in (None, tp):
             raise ValueError(
-                f"--moe-a2a-backend {self.moe_a2a_backend} splits experts over all ranks: "
-                f"--ep-size must be --tp-size ({tp}), got {self.ep_size}"
+                f"--moe-a2a-backend {args.moe_a2a_backend} splits experts over all ranks: "
+                f"--ep-size must be --tp-size ({tp}), got {args.ep_size}"
             )
-        self.ep_size = tp
-    elif self.ep_size is None:
-        self.ep_size = 1
-    if self.ep_size < 1 or tp % self.ep_size:
-        raise ValueError(f"--ep-size {self.ep_size} must divide --tp-size {tp}")
-    if self.max_dispatch_tokens_per_rank < 1:
+        args.ep_size = tp
+    elif args.ep_size is None:
+        args.ep_size = 1
+    if args.ep_size < 1 or tp % args.ep_size:
+        raise ValueError(f"--ep-size {args.ep_size} must divide --tp-size {tp}")
+    if args.max_dispatch_tokens_per_rank < 1:
         raise ValueError("--max-dispatch-tokens-per-rank: must be positive")
-    if self.moe_a2a_backend == "deepep":
+    if args.moe_a2a_backend == "deepep":
         raise ValueError(NO_DEEPEP)
-    if self.moe_a2a_backend == "torch" and self.deepep_mode == "low_latency":
-        _check_low_latency_capacity(self)
+    if args.moe_a2a_backend == "torch" and args.deepep_mode == "low_latency":
+        _check_low_latency_capacity(args)
 
 
-def check_overlap(self: ServerArgs) -> None:
-    _resolve_overlap_mode(self)
-    if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
+def check_overlap(args: ServerArgs) -> None:
+    _resolve_overlap_mode(args)
+    if not 0 <= args.tbo_token_distribution_threshold <= 0.5:
         raise ValueError(
-            f"--tbo-token-distribution-threshold {self.tbo_token_distribution_threshold}: "
+            f"--tbo-token-distribution-threshold {args.tbo_token_distribution_threshold}: "
             "must be in [0, 0.5]"
         )
     for flag in ("tbo_decode_token_threshold", "tbo_prefill_token_threshold"):
-        if getattr(self, flag) < 0:
+        if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')}: must be ≥ 0")
-    no_a2a = self.moe_a2a_backend == "none"
-    if self.overlap_mode == "tbo" and no_a2a and not self.enable_dp_attention:
+    no_a2a = args.moe_a2a_backend == "none"
+    if args.overlap_mode == "tbo" and no_a2a and not args.enable_dp_attention:
         raise ValueError(
             "--enable-two-batch-overlap needs an all-to-all to hide: set --moe-a2a-backend "
             "torch, or --enable-dp-attention"
         )
-    if self.overlap_modes == ("off",) and self.overlap_mode == "auto":
+    if args.overlap_modes == ("off",) and args.overlap_mode == "auto":
         raise ValueError(
             "--overlap-mode auto: this layout has no all-to-all to overlap; set "
             "--moe-a2a-backend torch (with --tp-size > 1), or --enable-dp-attention"
         )
-    _check_single_batch_overlap(self)
+    _check_single_batch_overlap(args)
 
 
-def _resolve_overlap_mode(self: ServerArgs) -> None:
+def _resolve_overlap_mode(args: ServerArgs) -> None:
     """--overlap-mode from itself or its two aliases; the aliases then mirror it. The TBO
     thresholds default to 32 / 512 under tbo and to 0 (none) under auto."""
-    asked = [mode for mode, on in (("tbo", self.enable_two_batch_overlap),
-                                   ("sbo", self.enable_single_batch_overlap)) if on]  # fmt: skip
+    asked = [mode for mode, on in (("tbo", args.enable_two_batch_overlap),
+                                   ("sbo", args.enable_single_batch_overlap)) if on]  # fmt: skip
     if len(asked) > 1:
         raise ValueError(
             "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
             "other: choose one (or --overlap-mode auto, which picks per step)"
         )
-    if self.overlap_mode is None:
-        self.overlap_mode = asked[0] if asked else "off"
-    choices = ("off", "tbo", "sbo", "auto")
-    if self.overlap_mode not in choices:
-        raise ValueError(f"--overlap-mode {self.overlap_mode!r}: must be one of {list(choices)}")
-    if asked and asked[0] != self.overlap_mode:
+    if args.overlap_mode is None:
+        args.overlap_mode = asked[0] if asked else "off"
+    if args.overlap_mode not in OVERLAP_MODE_CHOICES:
+        raise ValueError(
+            f"--overlap-mode {args.overlap_mode!r}: must be one of {OVERLAP_MODE_CHOICES}"
+        )
+    if asked and asked[0] != args.overlap_mode:
         alias = "--enable-two-batch-overlap" if asked[0] == "tbo" else (
             "--enable-single-batch-overlap")  # fmt: skip
-        raise ValueError(f"--overlap-mode {self.overlap_mode} and {alias}: choose one")
-    self.enable_two_batch_overlap = self.overlap_mode == "tbo"
-    self.enable_single_batch_overlap = self.overlap_mode == "sbo"
-    auto = self.overlap_mode == "auto"
-    if self.tbo_decode_token_threshold is None:
-        self.tbo_decode_token_threshold = 0 if auto else 32
-    if self.tbo_prefill_token_threshold is None:
-        self.tbo_prefill_token_threshold = 0 if auto else 512
+        raise ValueError(f"--overlap-mode {args.overlap_mode} and {alias}: choose one")
+    args.enable_two_batch_overlap = args.overlap_mode == "tbo"
+    args.enable_single_batch_overlap = args.overlap_mode == "sbo"
+    auto = args.overlap_mode == "auto"
+    if args.tbo_decode_token_threshold is None:
+        args.tbo_decode_token_threshold = 0 if auto else 32
+    if args.tbo_prefill_token_threshold is None:
+        args.tbo_prefill_token_threshold = 0 if auto else 512
 
 
-def _check_single_batch_overlap(self: ServerArgs) -> None:
-    sms = self.sbo_communication_sms
-    sbo = "sbo" in self.overlap_modes
+def _check_single_batch_overlap(args: ServerArgs) -> None:
+    sms = args.sbo_communication_sms
+    sbo = "sbo" in args.overlap_modes
     for flag, value in (
-        ("--sbo-num-blocks", self.sbo_num_blocks),
+        ("--sbo-num-blocks", args.sbo_num_blocks),
         ("--sbo-communication-sms", sms),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be ≥ 1")
         if value is not None and not sbo:
             raise ValueError(f"{flag} needs --overlap-mode sbo or auto (with an all-to-all)")
-    if sms is not None and self.device != "cuda":
+    if sms is not None and args.device != "cuda":
         raise ValueError(
             "--sbo-communication-sms splits a CUDA device's SMs; on CPU the combine runs in "
             "the communication library's threads (drop the flag)"
         )
-    if self.overlap_mode != "sbo":
+    if args.overlap_mode != "sbo":
         return
-    if self.moe_a2a_backend == "none":
+    if args.moe_a2a_backend == "none":
         raise ValueError(
             "--enable-single-batch-overlap needs an all-to-all: set --moe-a2a-backend torch"
         )
-    if self.tp_size < 2:
+    if args.tp_size < 2:
         raise ValueError(
             "--enable-single-batch-overlap needs an all-to-all between ranks: one rank "
             "(--tp-size 1) has none to overlap"
         )
 
 
-def _check_low_latency_capacity(self: ServerArgs) -> None:
+def _check_low_latency_capacity(args: ServerArgs) -> None:
     """--deepep-mode low_latency sends every batch through fixed-capacity buffers: the
     largest batch a rank can split off must fit (``auto`` falls back to normal instead)."""
-    attn_tp = self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
-    cap = self.max_dispatch_tokens_per_rank
-    if not self.enable_chunked_prefill:
+    attn_tp = args.tp_size // args.dp_size if args.enable_dp_attention else args.tp_size
+    cap = args.max_dispatch_tokens_per_rank
+    if not args.enable_chunked_prefill:
         raise ValueError(
             "--deepep-mode low_latency needs chunked prefill (a prompt's tokens must fit "
             "--max-dispatch-tokens-per-rank); set --chunked-prefill-size"
         )
     limits = {
-        "--chunked-prefill-size": min(self.chunked_prefill_size, self.max_prefill_tokens),
-        "--max-running-requests": self.max_running_requests,
+        "--chunked-prefill-size": min(args.chunked_prefill_size, args.max_prefill_tokens),
+        "--max-running-requests": args.max_running_requests,
     }
     for flag, tokens in limits.items():
         if -(-tokens // attn_tp) > cap:
@@ -254,29 +252,29 @@ def _check_low_latency_capacity(self: ServerArgs) -> None:
             )
 
 
-def check_gpus_per_node(self: ServerArgs) -> None:
+def check_gpus_per_node(args: ServerArgs) -> None:
     """nccl needs one GPU per rank: two ranks on one device fail at the first collective
     ("Duplicate GPU detected"), after every rank has loaded the model."""
     import torch
 
     gpus = torch.cuda.device_count()
-    if self.num_ranks_per_node > gpus:
+    if args.num_ranks_per_node > gpus:
         raise ValueError(
-            f"--tp-size {self.tp_size} over --nnodes {self.nnodes} puts "
-            f"{self.num_ranks_per_node} ranks on this node, which has {gpus} CUDA device(s): "
+            f"--tp-size {args.tp_size} over --nnodes {args.nnodes} puts "
+            f"{args.num_ranks_per_node} ranks on this node, which has {gpus} CUDA device(s): "
             "nccl needs one GPU per rank (use --device cpu for more ranks)"
         )
 
 
-def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
+def check_model_layout(args: ServerArgs, hf_config: Any) -> None:
     """What needs the model's config: experts, heads and MLP sizes must split over the
     ranks. Raised at start-up, before any rank process starts."""
-    layout = self.parallel_config
-    flag = f"--tp-size {self.tp_size}"
+    layout = args.parallel_config
+    flag = f"--tp-size {args.tp_size}"
     num_experts = getattr(hf_config, "num_experts", None) or getattr(
         hf_config, "n_routed_experts", None
     )
-    if num_experts and self.tp_size > num_experts:
+    if num_experts and args.tp_size > num_experts:
         raise ValueError(f"{flag}: more ranks than experts ({num_experts})")
     if num_experts and num_experts % layout.moe_ep_size:
         raise ValueError(f"{flag}: {num_experts} experts do not split over the EP ranks")
@@ -293,11 +291,11 @@ def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
     shared = (getattr(hf_config, "n_shared_experts", None) or 0) * (
         sizes["moe_intermediate_size"] or 0
     )
-    if shared and self.moe_a2a_backend == "none" and shared % self.tp_size:
+    if shared and args.moe_a2a_backend == "none" and shared % args.tp_size:
         # split over every rank (an all-to-all backend copies them to each rank instead)
         raise ValueError(
             f"{flag}: the shared experts' intermediate size ({shared}) is not divisible "
-            f"by {self.tp_size}"
+            f"by {args.tp_size}"
         )
     kv_heads = getattr(hf_config, "num_key_value_heads", None)
     attn_tp = layout.attn_tp_size
@@ -308,33 +306,33 @@ def check_model_layout(self: ServerArgs, hf_config: Any) -> None:
         )
 
 
-def check_kernels(self: ServerArgs) -> None:
+def check_kernels(args: ServerArgs) -> None:
     """--attention-backend (auto: triton on CUDA where it imports, else torch_native) and, on
     CUDA, the CUDA-graph batch sizes (``cuda_graph_batch_sizes``)."""
-    backend = self.attention_backend
+    backend = args.attention_backend
     if backend not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}")
     has_triton = importlib.util.find_spec("triton") is not None
     if backend == "auto":
-        backend = "triton" if self.device == "cuda" and has_triton else "torch_native"
+        backend = "triton" if args.device == "cuda" and has_triton else "torch_native"
     elif backend == "triton" and not has_triton:
         raise ValueError("--attention-backend triton: the triton package is not installed")
-    elif backend == "triton" and self.device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+    elif backend == "triton" and args.device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError(
             "--attention-backend triton runs on CUDA (on CPU only under Triton's interpreter, "
             "TRITON_INTERPRET=1, for tests)"
         )
-    self.attention_backend = backend
-    graph_flags = self.cuda_graph_bs is not None or self.cuda_graph_max_bs is not None
-    if self.device != "cuda":
+    args.attention_backend = backend
+    graph_flags = args.cuda_graph_bs is not None or args.cuda_graph_max_bs is not None
+    if args.device != "cuda":
         if graph_flags:
             raise ValueError("--cuda-graph-bs / --cuda-graph-max-bs apply to --device cuda")
         return
-    limit = self.max_running_requests
-    if self.moe_a2a_backend == "torch":  # a graph decodes with low_latency, within its capacity
-        limit = min(limit, low_latency_fit(self))
-    self.cuda_graph_bs = cuda_graph_batch_sizes(self.cuda_graph_bs, self.cuda_graph_max_bs, limit)
-    self.cuda_graph_max_bs = self.cuda_graph_bs[-1]
+    limit = args.max_running_requests
+    if args.moe_a2a_backend == "torch":  # a graph decodes with low_latency, within its capacity
+        limit = min(limit, low_latency_fit(args))
+    args.cuda_graph_bs = cuda_graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, limit)
+    args.cuda_graph_max_bs = args.cuda_graph_bs[-1]
 
 
 def cuda_graph_batch_sizes(sizes: list[int] | None, max_bs: int | None, limit: int) -> list[int]:

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from train_tiny_models import MODEL_NAMES, balancing_loss, train_and_save  # noqa: E402
+from train_tiny_models import MODEL_NAMES, balancing_loss, train_and_save
 
 EXPERTS, TOP_K, TOKENS = 8, 2, 64
 

@@ -15,7 +15,7 @@ Where to split (SGLang's rules, names and keywords, as in its ``two_batch_overla
 Whether to split (vLLM's DBO thresholds): a batch below ``--tbo-decode-token-threshold``
 (decode) or ``--tbo-prefill-token-threshold`` (extend) tokens runs unsplit, as does one whose
 split would leave a child empty; under DP attention the decision is unanimous (the MLP sync,
-``srt.managers.dp_sync``): every non-idle group must be able to split, all in the same mode.
+``srt.model_executor.dp_sync``): every non-idle group must be able to split, all in the same mode.
 
 How (``split_forward_batch``, ``run_layers_overlapped``): the children are ForwardBatches over
 token ranges ``[0, split_token)`` and ``[split_token, N)`` of the parent; embedding, the dense

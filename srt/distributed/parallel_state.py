@@ -40,8 +40,7 @@ import torch
 import torch.distributed as dist
 
 from srt.distributed.group_coordinator import GroupCoordinator, new_group_coordinator
-
-MOE_A2A_BACKENDS = ("none", "torch", "deepep")
+from srt.server_args_choices import MOE_A2A_BACKEND_CHOICES
 
 
 @dataclass(frozen=True)
@@ -61,9 +60,9 @@ class ParallelConfig:
             raise ValueError(
                 f"DP attention needs tp_size ({self.tp_size}) divisible by dp_size ({self.dp_size})"
             )
-        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+        if self.moe_a2a_backend not in MOE_A2A_BACKEND_CHOICES:
             raise ValueError(
-                f"moe_a2a_backend {self.moe_a2a_backend!r} is not one of {MOE_A2A_BACKENDS}"
+                f"moe_a2a_backend {self.moe_a2a_backend!r} is not one of {MOE_A2A_BACKEND_CHOICES}"
             )
         ep = self.moe_ep_size
         if ep < 1 or self.tp_size % ep:

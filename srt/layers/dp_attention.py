@@ -1,6 +1,6 @@
 """DP attention: the token movement between attention-DP groups, and the padding of the
 buffer that gathers them. The per-step agreement that sizes it (the MLP sync) is in
-``srt.managers.dp_sync``.
+``srt.model_executor.dp_sync``.
 
 Padding (SGLang's rules), for the buffer that gathers every group's tokens around a MoE without
 an all-to-all backend:

@@ -13,23 +13,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self.kernel = None  # the CPU kernels, set by pack_weights where they run this norm
+        self.in_kernel = False  # set by pack_weights where the CPU kernels run this norm
 
     def pack_weights(self) -> None:
         """Once loaded, on CPU: run float32 norms in one C call (``cpu_kernels.rms_norm``)."""
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            self.kernel = cpu_kernels.load_library()
+            self.in_kernel = cpu_kernels.available()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual). Once
         ``pack_weights`` found the CPU kernels, float32 input takes one C call."""
-        if self.kernel is not None and x.dtype == torch.float32 and x.numel():
+        if self.in_kernel and x.dtype == torch.float32 and x.numel():
             if residual is None or residual.dtype == torch.float32:
-                return cpu_kernels.rms_norm(
-                    self.kernel, x, self.weight, self.variance_epsilon, residual
-                )
+                return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -26,9 +26,8 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 
 class PanelWeight(NamedTuple):
-    """A ``[N, K]`` weight in the CPU kernels' panels, with the library that runs them."""
+    """A ``[N, K]`` weight in the CPU kernels' panels."""
 
-    lib: object
     panels: torch.Tensor
     out_features: int | None = None  # N, where it does not fill the last panel
 
@@ -42,9 +41,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     poorly blocked one for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also
     gives each row the same result whatever the batch, so split and unsplit batches agree bit
     for bit. Measured in ``docs/benchmarks.md``."""
-    lib = cpu_kernels.load_library() if weight.dtype == torch.float32 else None
-    if lib is not None and cpu_kernels.can_pack(lib, weight):
-        return PanelWeight(lib, cpu_kernels.pack_panels(lib, weight), weight.shape[0])
+    if cpu_kernels.can_pack(weight):
+        return PanelWeight(cpu_kernels.pack_panels(weight), weight.shape[0])
     if (
         weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -75,7 +73,7 @@ def linear(
     is one."""
     if isinstance(packed, PanelWeight) and x.dtype == torch.float32:
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.panel_linear(packed.lib, rows, packed.panels, packed.out_features)
+        out = cpu_kernels.panel_linear(rows, packed.panels, packed.out_features)
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -94,23 +94,22 @@ class RotaryEmbedding(nn.Module):
         else:
             raise ValueError(f"unsupported rope type {rope_type!r}")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rotary_dim = rotary_dim
         self.max_position = max_position
         self.is_neox_style = is_neox_style
-        self.kernel = None  # the CPU kernels, set by pack_weights where they rotate
+        self.in_kernel = False  # set by pack_weights where the CPU kernels rotate
         self.table_key: tuple | None = None  # this embedding's entry in _COS_SIN_TABLES
 
     def pack_weights(self) -> None:
         """Once loaded, on CPU: rotate float32 tensors in C (``cpu_kernels.rope``)."""
         if self.inv_freq.device.type == "cpu":
-            self.kernel = cpu_kernels.load_library()
+            self.in_kernel = cpu_kernels.available()
             self.table_key = (tuple(self.inv_freq.tolist()), self.attention_factor)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, rotary_dim]; k [T, Hk, rotary_dim]."""
-        if self.kernel is not None and q.dtype == k.dtype == torch.float32:
+        if self.in_kernel and q.dtype == k.dtype == torch.float32:
             return self._rotate_in_c(positions.to(torch.int64).contiguous(), q, k)
         cos, sin = self._cos_sin(positions.to(torch.float32))
         cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]
@@ -125,10 +124,13 @@ class RotaryEmbedding(nn.Module):
         table = _COS_SIN_TABLES.get(self.table_key)
         for _ in range(2):  # the second time with a table that covers every position
             if table is not None:
-                q_out = cpu_kernels.rope(self.kernel, q, positions, table, self.is_neox_style)
-                k_out = cpu_kernels.rope(self.kernel, k, positions, table, self.is_neox_style)
-                if q_out is not None and k_out is not None:
-                    return q_out, k_out
+                try:
+                    return (
+                        cpu_kernels.rope(q, positions, table, self.is_neox_style),
+                        cpu_kernels.rope(k, positions, table, self.is_neox_style),
+                    )
+                except cpu_kernels.PositionOutsideTable:
+                    pass
             table = _COS_SIN_TABLES[self.table_key] = self._table(positions, table)
         raise ValueError(f"rotary embedding: negative position {int(positions.min())}")
 

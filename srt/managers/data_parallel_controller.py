@@ -21,6 +21,7 @@ import zmq
 
 from srt.managers.io_struct import DpLoadReport, TokenizedGenerateReqInput, WakeUp
 from srt.server_args import ServerArgs
+from srt.server_args_choices import LOAD_BALANCE_CHOICES
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
 from srt.utils.process import set_parent_death_signal
@@ -32,7 +33,7 @@ class LoadBalancer:
     """Pure routing decision, testable without sockets."""
 
     def __init__(self, method: str, dp_size: int):
-        if method not in ("round_robin", "shortest_queue", "minimum_tokens"):
+        if method not in LOAD_BALANCE_CHOICES:
             raise ValueError(f"--load-balance-method {method!r} is not supported")
         self.method, self.dp_size = method, dp_size
         self._cycle = itertools.cycle(range(dp_size))

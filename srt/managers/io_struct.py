@@ -174,7 +174,6 @@ class GenerateReqInput:
 @dataclass
 class TokenizedGenerateReqInput:
     rid: str
-    input_text: str | None
     input_ids: list[int]
     sampling_params: SamplingParams
     return_logprob: bool = False

@@ -50,7 +50,6 @@ class Req:
         origin_input_ids: list[int],
         sampling_params: SamplingParams,
         *,
-        origin_input_text: str | None = None,
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
@@ -58,7 +57,7 @@ class Req:
         eos_token_ids: set[int] | None = None,
         device: str | torch.device = "cpu",
     ):
-        self.rid, self.origin_input_text = rid, origin_input_text
+        self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params, self.stream = sampling_params, stream
         self.eos_token_ids = set(eos_token_ids or ())

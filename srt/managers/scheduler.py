@@ -121,7 +121,6 @@ class Scheduler:
             recv.rid,
             recv.input_ids,
             recv.sampling_params,
-            origin_input_text=recv.input_text,
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
             top_logprobs_num=recv.top_logprobs_num,

@@ -59,7 +59,6 @@ class TokenizerManager:
         self.context_len = scheduler_info["context_len"]
         self.vocab_size = scheduler_info["vocab_size"]
         self.max_req_input_len = scheduler_info["max_req_input_len"]
-        self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
         self.zmq_context, self.zmq_async_context = zmq.Context(), zmq.asyncio.Context()
         # The schedulers (or, with DP attention, the DP controller) connect to this socket.
         dp_attention = server_args.enable_dp_attention
@@ -120,7 +119,6 @@ class TokenizerManager:
         params.normalize(self.tokenizer)
         return TokenizedGenerateReqInput(
             rid=obj.rid,
-            input_text=obj.text,
             input_ids=list(input_ids),
             sampling_params=params,
             return_logprob=obj.return_logprob,

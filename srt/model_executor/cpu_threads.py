@@ -11,7 +11,8 @@ core, so it keeps them all, as do prefill steps.
 What a decode step reads is not the model's size: of the routed experts it reads at most
 ``sequences × top_k`` experts' worth (:class:`DecodeWeights`), so a mixture of experts that is
 large in all decodes a few sequences like a small model, and a batch of many like a large one.
-Measured on 2 cores with ``benchmark/compare_peer.py``: see ``docs/benchmarks.md``.
+Measured on 2 cores with ``benchmark/serving/compare_peer.py``: ``docs/benchmarks_history.md``,
+round 8.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt.layers.logits_processor import LogitsProcessorOutput
-from srt.managers.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
+from srt.model_executor.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:

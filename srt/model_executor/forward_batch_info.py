@@ -51,7 +51,7 @@ class ForwardBatch:
     sequence. ``*_cpu`` fields are Python lists mirroring device tensors, for bookkeeping that
     must not synchronise the device.
 
-    The ``global_*`` fields are set by the DP-attention MLP sync (``srt.managers.dp_sync``).
+    The ``global_*`` fields are set by the DP-attention MLP sync (``srt.model_executor.dp_sync``).
     They stay None without DP attention: every rank then runs the same batch, so the local
     values are the global ones (``global_is_extend``, ``global_num_tokens``).
     """

@@ -7,7 +7,7 @@ agree on the pool size (the minimum over ranks), so their schedulers stay in loc
 
 ``forward_step`` is the one entry for a step, used by the scheduler, bench_one_batch and the
 tests: it plans two-batch overlap for this rank's batch (where it would split); under DP
-attention it runs the MLP sync (``srt.managers.dp_sync``; every rank, every step, with or
+attention it runs the MLP sync (``srt.model_executor.dp_sync``; every rank, every step, with or
 without a batch), which makes the split decision unanimous, and applies it to the batch, or
 runs an IDLE forward when only other groups have work so that the MoE and LM-head collectives
 line up. Without DP attention every rank runs the same batch and its own plan decides.
@@ -34,11 +34,11 @@ from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
-from srt.managers.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
+from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.model_executor.forward_batch_info import ForwardBatch
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -114,7 +114,6 @@ class ModelRunner:
         # Fail any host synchronisation inside ``forward`` (``srt.utils.sync_guard``): the tests
         # set it, on CPU too, to keep the step device-resident and capturable.
         self.forbid_host_sync = os.environ.get("SRT_FORBID_HOST_SYNC") == "1"
-        self.operation_observer: OperationObserver | None = None
         if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
             self.set_operation_observer(OperationObserver())
         self.graph_runner: CudaGraphRunner | None = None
@@ -130,8 +129,8 @@ class ModelRunner:
 
             create = TritonAttnBackend
         else:
-            kernels = cpu_kernels.load_library() if self.device.type == "cpu" else None
-            create = lambda: TorchNativeAttnBackend(kernels)
+            in_kernels = self.device.type == "cpu" and cpu_kernels.available()
+            create = lambda: TorchNativeAttnBackend(in_kernels)
         self.attn_backend = (
             TboAttnBackend.init_new(
                 create, parent_attends_when_split=self.model.model.tbo_start_layer > 0
@@ -163,7 +162,6 @@ class ModelRunner:
     def set_operation_observer(self, observer: OperationObserver | None) -> None:
         """Wrap every layer operation in a profiler marker (and, with ``observer.record``,
         time it); None turns it off."""
-        self.operation_observer = observer
         self.model.model.operation_observer = observer
 
     def plan_two_batch_overlap(self, forward_batch: ForwardBatch) -> None:

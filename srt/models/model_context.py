@@ -35,7 +35,7 @@ from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.topk import TopKConfig
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from srt.server_args import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
+from srt.server_args_choices import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 
 
 @dataclass(frozen=True)

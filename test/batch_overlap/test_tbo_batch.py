@@ -12,7 +12,7 @@ from srt.batch_overlap.two_batch_overlap import (
     split_forward_batch,
 )
 from srt.layers.dp_attention import DpPaddingMode
-from srt.managers.dp_sync import agree_two_batch_overlap, apply_dp_sync, dp_sync_info
+from srt.model_executor.dp_sync import agree_two_batch_overlap, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.server_args import ServerArgs
 

@@ -6,18 +6,20 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "bench_step_split.py"
+import pytest
+
 LINE = re.compile(
     r"prefill +([\d.]+) ms \(GEMM +([\d.]+), other +(-?[\d.]+)\) +decode step +([\d.]+) ms "
     r"\(GEMM +([\d.]+), other +(-?[\d.]+)\)"
 )
 
 
+@pytest.mark.slow  # runs the benchmark in a process of its own
 def test_prints_a_split_per_run():
-    cmd = [sys.executable, str(SCRIPT), "--dtype", "float32", "--batch-size", "2",
-           "--input-len", "8", "--output-len", "3", "--repeat", "2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmark.kernel.bench_step_split", "--dtype", "float32",
+           "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+           "--repeat", "2"]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300).stdout
     rows = [LINE.search(line) for line in out.splitlines()]
     rows = [tuple(map(float, m.groups())) for m in rows if m]

@@ -3,27 +3,13 @@ vLLM CLI wrapper it writes, and the table it prints (no vLLM needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "compare_peer.py"
+from benchmark.serving import compare_peer
 
 
-@pytest.fixture(scope="module")
-def compare_peer():
-    spec = importlib.util.spec_from_file_location("compare_peer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_peer"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["compare_peer"]
-
-
-def test_server_commands_and_environments(compare_peer):
+def test_server_commands_and_environments():
     args = compare_peer.parse_args(
         ["--model-path", "/m", "--port", "31000", "--srt-args=--tp 2", "--vllm-args=-x"]
     )
@@ -36,7 +22,7 @@ def test_server_commands_and_environments(compare_peer):
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
-def test_wrapper_maps_the_version_lookup_in_spawned_processes_too(compare_peer, tmp_path):
+def test_wrapper_maps_the_version_lookup_in_spawned_processes_too(tmp_path):
     wrapper = tmp_path / "cli.py"
     wrapper.write_text(compare_peer.WRAPPER)
     # Run as a spawned child runs its parent's main module: the version lookup of "vllm" is
@@ -52,7 +38,7 @@ def test_wrapper_maps_the_version_lookup_in_spawned_processes_too(compare_peer, 
     assert "vllm-cpu" in out.stdout
 
 
-def test_table_reports_every_run_and_the_ratio_range(compare_peer):
+def test_table_reports_every_run_and_the_ratio_range():
     args = compare_peer.parse_args(["--model-path", "/m", "--concurrency", "1", "8", "--runs", "2"])
     results = compare_peer.Results()
     for ours, peer in ((100.0, 50.0), (90.0, 100.0)):
@@ -65,7 +51,7 @@ def test_table_reports_every_run_and_the_ratio_range(compare_peer):
     assert missing.count("-") >= 3  # no runs at concurrency 8: shown as missing, not zero
 
 
-def test_paired_runs_give_each_engine_its_port_and_flip_the_order(compare_peer):
+def test_paired_runs_give_each_engine_its_port_and_flip_the_order():
     args = compare_peer.parse_args(["--model-path", "/m", "--port", "31000", "--paired"])
     ports = {e: compare_peer.engine_port(e, args) for e in ("srt", "vllm")}
     assert ports == {"srt": 31000, "vllm": 31001}

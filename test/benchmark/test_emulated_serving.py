@@ -4,19 +4,8 @@ are pooled (no processes)."""
 from __future__ import annotations
 
 import pytest
-from helpers.benchmark_scripts import load_benchmark
 
-
-@pytest.fixture(scope="module")
-def emulated_cluster():
-    return load_benchmark("emulated_cluster")
-
-
-@pytest.fixture(scope="module")
-def emulated_serving(emulated_cluster):
-    import emulated_serving  # importable: emulated_cluster put benchmark/ on the path
-
-    return emulated_serving
+from benchmark.cluster import emulated_cluster, emulated_serving
 
 
 def _burst(output_tokens: int, seconds: float, ttft: float, tpot: float) -> dict:
@@ -25,14 +14,14 @@ def _burst(output_tokens: int, seconds: float, ttft: float, tpot: float) -> dict
                 mean_ttft_ms=ttft, mean_tpot_ms=tpot)  # fmt: skip
 
 
-def test_rounds_alternate_their_order(emulated_serving):
+def test_rounds_alternate_their_order():
     order = emulated_serving.round_order(["off", "tbo", "sbo", "auto"], 3)
     assert order == [
         ["off", "tbo", "sbo", "auto"], ["auto", "sbo", "tbo", "off"], ["off", "tbo", "sbo", "auto"],
     ]  # fmt: skip
 
 
-def test_pool_weighs_bursts_by_length(emulated_serving):
+def test_pool_weighs_bursts_by_length():
     runs = [
         {"bursts": [_burst(100, 1.0, 10.0, 5.0), _burst(100, 4.0, 30.0, 7.0)]},
         {"bursts": [_burst(200, 1.0, 20.0, 6.0)]},
@@ -47,7 +36,7 @@ def test_pool_weighs_bursts_by_length(emulated_serving):
     assert "overlap" not in pooled
 
 
-def test_pool_sums_auto_steps(emulated_serving):
+def test_pool_sums_auto_steps():
     runs = [
         {"bursts": [_burst(10, 1.0, 1.0, 1.0)], "overlap": {"num_steps": {"decode/off": 3}}},
         {"bursts": [_burst(10, 1.0, 1.0, 1.0)],
@@ -59,7 +48,7 @@ def test_pool_sums_auto_steps(emulated_serving):
 
 
 @pytest.mark.parametrize("flag", ["--serving-servers", "--serving-output-len"])
-def test_serving_counts_must_be_positive(emulated_cluster, capsys, flag):
+def test_serving_counts_must_be_positive(capsys, flag):
     with pytest.raises(SystemExit):
         emulated_cluster.parse_args([flag, "0"])
     assert f"{flag} must be at least 1" in capsys.readouterr().err

@@ -1,18 +1,15 @@
-"""benchmark/link_cpu.py: /proc/stat read per core, and a short exchange over a shaped link that
-moves bytes both ways, reports every core and leaves no namespace behind (root and ``ip netns``)."""
+"""benchmark/cluster/link_cpu.py: /proc/stat read per core, and a short exchange over a shaped
+link that moves bytes both ways, reports every core and leaves no namespace behind (root and
+``ip netns``)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from helpers.netns import netns_available
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
-import link_cpu  # noqa: E402
+from benchmark.cluster import link_cpu
+from benchmark.common.netns import list_namespaces, netns_available
 
 STAT = """cpu  10 0 10 100 0 0 0 0 0 0
 cpu0 {} 1 {} 50 0 {} {} 0 0 0
@@ -42,5 +39,5 @@ def test_exchange_over_a_shaped_link_reports_each_core():
     assert sum(sum(t.values()) for t in result["cores"].values()) > 0
     text = link_cpu.report("1gbit", result)
     assert re.search(r"cpu0: \d+% busy; ms per MiB sent and received: [\d.]+ \(user", text)
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not re.search(r"srtnet-\d+-\d+", namespaces), namespaces
+    left = [ns for ns in list_namespaces() if re.match(r"srtnet-\d+-\d+", ns)]
+    assert left == [], left

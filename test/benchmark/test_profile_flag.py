@@ -6,15 +6,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers.benchmark_scripts import load_benchmark
+
+from benchmark.cluster import emulated_cluster
+from benchmark.offline import bench_one_batch
 
 
-@pytest.fixture(scope="module")
-def emulated_cluster():
-    return load_benchmark("emulated_cluster")
-
-
-def test_profile_without_matplotlib_is_refused_at_start(emulated_cluster, monkeypatch, capsys):
+def test_profile_without_matplotlib_is_refused_at_start(monkeypatch, capsys):
     monkeypatch.setattr(emulated_cluster, "matplotlib_missing", lambda: "--profile needs X")
     with pytest.raises(SystemExit) as exit_info:
         emulated_cluster.parse_args(["--quick", "--profile", "/tmp/p"])
@@ -23,18 +20,15 @@ def test_profile_without_matplotlib_is_refused_at_start(emulated_cluster, monkey
     assert emulated_cluster.parse_args(["--quick"]).profile is None  # no --profile: no check
 
 
-def test_profile_with_matplotlib_is_taken(emulated_cluster, monkeypatch):
+def test_profile_with_matplotlib_is_taken(monkeypatch):
     monkeypatch.setattr(emulated_cluster, "matplotlib_missing", lambda: None)
     assert emulated_cluster.parse_args(["--profile", "/tmp/p"]).profile == "/tmp/p"
 
 
-def test_bench_one_batch_refuses_profile_without_matplotlib(emulated_cluster, monkeypatch, capsys):
-    import op_timeline  # importable: emulated_cluster put the benchmark directory on the path
-
-    monkeypatch.setattr(op_timeline, "matplotlib_missing", lambda: "--profile needs Y")
-    module = load_benchmark("bench_one_batch")
+def test_bench_one_batch_refuses_profile_without_matplotlib(monkeypatch, capsys):
+    monkeypatch.setattr(bench_one_batch, "matplotlib_missing", lambda: "--profile needs Y")
     monkeypatch.setattr(sys, "argv", ["bench_one_batch.py", "--model-path", "m", "--profile", "d"])
     with pytest.raises(SystemExit) as exit_info:
-        module.parse_args()
+        bench_one_batch.parse_args()
     assert exit_info.value.code == 2
     assert "--profile needs Y" in capsys.readouterr().err

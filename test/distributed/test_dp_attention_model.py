@@ -104,17 +104,23 @@ def run_group_script(runner: ModelRunner, layout: Layout, script: list[list]) ->
     return results
 
 
-def dp_worker(rank: int, n: int, init_method: str, layout: Layout, runs: list) -> dict:
+def dp_worker(rank: int, n: int, init_method: str, layout_runs: list) -> list[dict]:
+    """Each (layout, runs) of ``layout_runs`` in turn (one world: the same tp, dp and backend),
+    on one set of process groups; → one dict per layout."""
     torch.set_num_threads(1)
+    first = layout_runs[0][0]
     parallel = init_parallel_state(
-        n, rank, layout.dp, layout.dp > 1, layout.backend, "gloo", init_method
+        n, rank, first.dp, first.dp > 1, first.backend, "gloo", init_method
     )
     try:
-        out = {}
-        for label, path, overrides in runs:
-            runner = ModelRunner(layout.server_args(path, **overrides), parallel=parallel)
-            out[label] = run_group_script(runner, layout, script_for(layout))
-        return out
+        outs = []
+        for layout, runs in layout_runs:
+            out = {}
+            for label, path, overrides in runs:
+                runner = ModelRunner(layout.server_args(path, **overrides), parallel=parallel)
+                out[label] = run_group_script(runner, layout, script_for(layout))
+            outs.append(out)
+        return outs
     finally:
         parallel.destroy()
 
@@ -145,9 +151,13 @@ def assert_close(got: list, want: list, what: str) -> None:
             assert diff <= tolerance, f"{what} step {i} {name}: max diff {diff:.2e}"
 
 
-def check_layout(tiny_models: dict[str, str], layout: Layout, extra_runs: list = ()) -> dict:
+def check_layout(tiny_models: dict[str, str], layout: Layout, extra_runs: list = ()) -> list:
     runs = [(name, tiny_models[name], {}) for name in MODELS] + list(extra_runs)
-    results = run_ranks(dp_worker, layout.tp, layout, runs, timeout=120.0)
+    if layout in A2A_LAYOUTS and not extra_runs:
+        results = a2a_results(tiny_models, layout)
+    else:
+        launch = run_ranks(dp_worker, layout.tp, [(layout, runs)], timeout=120.0)
+        results = [outs[0] for outs in launch]
     attn_tp = layout.tp // layout.dp
     for rank, out in enumerate(results):
         for label, path, _ in runs:
@@ -156,16 +166,36 @@ def check_layout(tiny_models: dict[str, str], layout: Layout, extra_runs: list =
     return results
 
 
+A2A_LAYOUTS = [
+    Layout(2, 2, "torch", "normal", dp_lm_head=True),
+    Layout(2, 2, "torch", "low_latency"),
+    Layout(2, 2, "torch", "auto", capacity=2),  # the 3-sequence decodes exceed it
+    Layout(4, 4, "torch", "auto"),
+    Layout(4, 2, "torch", "low_latency"),
+    Layout(2, 1, "torch", "normal"),  # all-to-all without DP attention
+]
+_results: dict[Layout, list[dict]] = {}
+
+
+def a2a_results(tiny_models: dict[str, str], layout: Layout) -> list[dict]:
+    """Every rank's results of ``layout``, every model. The layouts of one world run in one
+    launch of its ranks, made by the first of them tested: starting the ranks costs more than
+    a layout."""
+    if layout not in _results:
+        key = (layout.tp, layout.dp, layout.backend)
+        world = [lay for lay in A2A_LAYOUTS if (lay.tp, lay.dp, lay.backend) == key]
+        runs = [(name, tiny_models[name], {}) for name in MODELS]
+        results = run_ranks(
+            dp_worker, layout.tp, [(lay, runs) for lay in world], timeout=120.0 * len(world)
+        )
+        for i, lay in enumerate(world):
+            _results[lay] = [outs[i] for outs in results]
+    return _results.pop(layout)
+
+
 @pytest.mark.parametrize(
     "layout",
-    [
-        Layout(2, 2, "torch", "normal", dp_lm_head=True),
-        Layout(2, 2, "torch", "low_latency"),
-        Layout(2, 2, "torch", "auto", capacity=2),  # the 3-sequence decodes exceed it
-        Layout(4, 4, "torch", "auto"),
-        Layout(4, 2, "torch", "low_latency"),
-        Layout(2, 1, "torch", "normal"),  # all-to-all without DP attention
-    ],
+    A2A_LAYOUTS,
     ids=lambda layout: f"tp{layout.tp}-dp{layout.dp}-{layout.backend}-{layout.deepep_mode}",
 )
 def test_all_to_all_equals_single_rank(tiny_models, layout):

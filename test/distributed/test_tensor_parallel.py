@@ -20,12 +20,8 @@ def run_engine(path: str, tp_size: int, prompts: list[list[int]] = PROMPTS) -> l
 
 
 @pytest.fixture(scope="module")
-def qwen3_reference(qwen3_moe_path) -> list[dict]:
-    return run_engine(qwen3_moe_path, 1)
-
-
-def test_qwen3_moe_tp2_equals_single_rank(qwen3_moe_path, qwen3_reference):
-    assert_same_outputs(run_engine(qwen3_moe_path, 2), qwen3_reference)
+def qwen3_reference(single_rank_outputs) -> list[dict]:
+    return single_rank_outputs("tiny-qwen3-moe")
 
 
 def test_qwen3_moe_tp4_equals_single_rank(qwen3_moe_path, qwen3_reference):
@@ -33,20 +29,27 @@ def test_qwen3_moe_tp4_equals_single_rank(qwen3_moe_path, qwen3_reference):
     assert_same_outputs(run_engine(qwen3_moe_path, 4, PROMPTS[:2]), qwen3_reference[:2])
 
 
-def test_deepseek_v3_tp2_equals_single_rank(deepseek_v3_path):
-    assert_same_outputs(run_engine(deepseek_v3_path, 2), run_engine(deepseek_v3_path, 1))
+def test_deepseek_v3_tp2_equals_single_rank(deepseek_v3_path, single_rank_outputs):
+    assert_same_outputs(run_engine(deepseek_v3_path, 2), single_rank_outputs("tiny-deepseek-v3"))
 
 
 def test_http_server_tp2_equals_single_rank(qwen3_moe_path, qwen3_reference):
+    """Qwen3-MoE at tp=2 (the engine's TP path: tp4 and DeepSeek-V3 above), through the HTTP
+    server: the same greedy outputs and fp32 logprobs as the single-rank engine."""
     with running_server(qwen3_moe_path, "--tp", "2") as server:
         response = httpx.post(
             server.url + "/generate",
-            json={"input_ids": PROMPTS, "sampling_params": PARAMS},
+            json={
+                "input_ids": PROMPTS,
+                "sampling_params": PARAMS,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
             timeout=60.0,
         )
         response.raise_for_status()
         outputs = response.json()
-    assert [out["output_ids"] for out in outputs] == [r["output_ids"] for r in qwen3_reference]
+    assert_same_outputs(outputs, qwen3_reference)
 
 
 def test_tp_flag_and_alias_parse():

@@ -1,5 +1,6 @@
-"""Fixtures of the end-to-end server tests: a real server per test module, its log, and an
-httpx client and an openai client of it."""
+"""Fixtures of the end-to-end server tests: a real server (one for the modules that take the
+default, one per module that overrides it), its log, and an httpx client and an openai client
+of it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,29 @@ import pytest
 from helpers.server_process import ServerProcess, running_server
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    """A server on the tiny Qwen3-MoE; a module may override it with other flags."""
+@pytest.fixture(scope="session")
+def shared_server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
+    """The server behind ``server``: started once for every module that takes it."""
     with running_server(qwen3_moe_path) as srv:
         yield srv
+
+
+def _takes_shared_server(item: pytest.Item) -> bool:
+    """The test uses ``server`` and its module does not override it."""
+    module = getattr(item, "module", None)
+    return "server" in getattr(item, "fixturenames", ()) and not hasattr(module, "server")
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, shared_server: ServerProcess) -> Iterator[ServerProcess]:
+    """A server on the tiny Qwen3-MoE with the tests' flags, shared by the modules that take
+    it (one start-up for them all), stopped after the last of them; a module may override it
+    with other flags."""
+    yield shared_server
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if getattr(item, "module", None) is request.module]
+    if not any(_takes_shared_server(item) for item in items[max(mine, default=-1) + 1 :]):
+        shared_server.stop()  # nothing later needs it (the session fixture's exit is a no-op)
 
 
 @pytest.fixture

@@ -1,32 +1,26 @@
-"""benchmark/bench_serving.py against the real HTTP server: 10 short random prompts per backend,
-through ``run_benchmark`` in this process and through the command line."""
+"""benchmark/serving/bench_serving.py against the real HTTP server: 10 short random prompts per
+backend, through ``run_benchmark`` in this process and through the command line."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 from helpers.server_process import ServerProcess, assert_pool_full, wait_idle
 
+from benchmark.serving import bench_serving as bench_serving_module
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmark" / "bench_serving.py"
 NUM_PROMPTS = 10
 
 
 @pytest.fixture(scope="module")
 def bench_serving() -> ModuleType:
-    if "bench_serving" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # as `import` does: its dataclasses look it up there
-        spec.loader.exec_module(module)
-    return sys.modules["bench_serving"]
+    return bench_serving_module
 
 
 def bench_args(server: ServerProcess, backend: str) -> list[str]:
@@ -65,7 +59,7 @@ def test_run_benchmark_sglang(
 @pytest.mark.parametrize("backend", ["sglang-oai-chat", "sglang-oai"])
 def test_command_line(server: ServerProcess, backend: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(BENCH), *bench_args(server, backend)],
+        [sys.executable, "-m", "benchmark.serving.bench_serving", *bench_args(server, backend)],
         capture_output=True,
         text=True,
         timeout=300,

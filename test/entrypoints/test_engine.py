@@ -149,9 +149,10 @@ def test_logprobs_match_separate_forward(assert_kv_pool_full, eng, qwen3_moe_pat
     assert_kv_pool_full(eng)
 
 
-def test_logprobs_with_chunked_prefill(assert_kv_pool_full, qwen3_moe_path):
+def test_logprobs_with_chunked_prefill(assert_kv_pool_full, eng, qwen3_moe_path):
     kwargs = {"model_path": qwen3_moe_path, "dtype": "float32", "max_total_tokens": 1024}
-    plain, chunked = srt.Engine(**kwargs), srt.Engine(**kwargs, chunked_prefill_size=4)
+    assert eng.flush_cache()  # the plain engine: the prompt is prefilled whole, uncached
+    plain, chunked = eng, srt.Engine(**kwargs, chunked_prefill_size=4)
     args = {
         "input_ids": list(range(10, 40)),
         "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
@@ -164,7 +165,7 @@ def test_logprobs_with_chunked_prefill(assert_kv_pool_full, qwen3_moe_path):
     lp_b = [x[0] for x in b["meta_info"]["input_token_logprobs"]]
     assert len(lp_a) == 27 and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4)
     assert_kv_pool_full(chunked)
-    plain.shutdown()
+    assert_kv_pool_full(plain)
     chunked.shutdown()
 
 

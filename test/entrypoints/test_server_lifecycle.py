@@ -1,5 +1,5 @@
-"""Separate real server instances: the warm-up, --api-key, the death of the scheduler, and
-SIGTERM."""
+"""Two real server instances, each checked fresh and then ended: the warm-up, then SIGTERM;
+--api-key, then the death of the scheduler."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ PROTECTED = [
 ]
 
 
-def test_warm_up_leaves_no_trace(qwen3_moe_path: str) -> None:
+def test_warm_up_leaves_no_trace_and_sigterm_stops_cleanly(qwen3_moe_path: str) -> None:
     """The warm-up generation runs before /health answers; afterwards the pool is full, the
-    prefix cache empty and the request metrics zero, so the first user starts from scratch."""
+    prefix cache empty and the request metrics zero, so the first user starts from scratch.
+    Then SIGTERM stops that server and its children cleanly (one server for both: a
+    fresh one, and its end)."""
     with running_server(qwen3_moe_path) as server:
         state = internal_state(server.url)
         assert "warm-up done" in server.log()
@@ -55,9 +57,12 @@ def test_warm_up_leaves_no_trace(qwen3_moe_path: str) -> None:
         body = {"text": WARMUP_TEXT, "sampling_params": {"max_new_tokens": 2}}
         response = httpx.post(server.url + "/generate", json=body, timeout=60.0)
         assert response.json()["meta_info"]["cached_tokens"] == 0  # flushed after the warm-up
+        assert_sigterm_stops_server_and_children(server)
 
 
-def test_api_key(qwen3_moe_path: str) -> None:
+def test_api_key_then_scheduler_death_stops_server(qwen3_moe_path: str) -> None:
+    """--api-key guards every route but /health; then (the end of that server) the death of
+    its scheduler stops it."""
     args = ("--api-key", "secret", "--skip-server-warmup")
     with running_server(qwen3_moe_path, *args) as server:
         good = {"Authorization": "Bearer secret"}
@@ -82,6 +87,7 @@ def test_api_key(qwen3_moe_path: str) -> None:
         assert [model.id for model in models] == [qwen3_moe_path]
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert_scheduler_death_stops_server(server, qwen3_moe_path, good)
 
 
 def proc_text(pid: int, name: str) -> str:
@@ -107,46 +113,44 @@ def scheduler_pid(server: ServerProcess, model_path: str) -> int:
     return min(spawned, key=lambda pid: (start_ticks(pid), pid))
 
 
-def test_scheduler_death_stops_server(qwen3_moe_path: str) -> None:
-    with running_server(qwen3_moe_path) as server:
-        children = server.children()
-        scheduler = scheduler_pid(server, qwen3_moe_path)
-        body = {"text": "Hello", "stream": True}
-        body["sampling_params"] = {"max_new_tokens": 2000, "ignore_eos": True}
-        with httpx.Client(base_url=server.url, timeout=10.0) as http:
-            with http.stream("POST", "/generate", json=body) as response:
-                lines = response.iter_lines()
-                assert next(lines).startswith("data: ")
-                os.kill(scheduler, signal.SIGKILL)
-                # The stream in flight ends with an error naming the dead child, then [DONE].
-                rest = [line for line in lines if line.startswith("data: ")]
-                code = server.wait_exit(timeout=5.0)
-        assert rest[-1] == "data: [DONE]", rest[-3:]
-        error = rest[-2]
-        assert "child process scheduler rank 0 died" in error and '"code":500' in error, error
-        log = server.log()
-        assert code is not None and code != 0, f"server still running or exit 0:\n{log}"
-        named = [
-            line for line in log.splitlines() if "scheduler" in line and str(scheduler) in line
-        ]
-        assert named, f"no log line names the dead scheduler (pid {scheduler}):\n{log}"
-        assert wait_gone(children, timeout=5.0) == [], "children left behind"
+def assert_scheduler_death_stops_server(
+    server: ServerProcess, model_path: str, headers: dict[str, str]
+) -> None:
+    children = server.children()
+    scheduler = scheduler_pid(server, model_path)
+    body = {"text": "Hello", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=10.0, headers=headers) as http:
+        with http.stream("POST", "/generate", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(scheduler, signal.SIGKILL)
+            # The stream in flight ends with an error naming the dead child, then [DONE].
+            rest = [line for line in lines if line.startswith("data: ")]
+            code = server.wait_exit(timeout=5.0)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = rest[-2]
+    assert "child process scheduler rank 0 died" in error and '"code":500' in error, error
+    log = server.log()
+    assert code is not None and code != 0, f"server still running or exit 0:\n{log}"
+    named = [line for line in log.splitlines() if "scheduler" in line and str(scheduler) in line]
+    assert named, f"no log line names the dead scheduler (pid {scheduler}):\n{log}"
+    assert wait_gone(children, timeout=5.0) == [], "children left behind"
 
 
-def test_sigterm_stops_server_and_children(qwen3_moe_path: str) -> None:
-    with running_server(qwen3_moe_path) as server:
-        with httpx.Client(base_url=server.url, timeout=60.0) as http:
-            assert http.post("/generate", json=GENERATE).status_code == 200
-        children = server.children()
-        assert len(children) >= 2 and all(is_running(pid) for pid in children)
-        ipc = server.ipc_dirs
-        assert ipc and all(os.path.isdir(path) for path in ipc)
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.wait_exit(timeout=10.0)
-        log = server.log()
-        assert code is not None, "still running 10 s after SIGTERM"
-        assert wait_gone(children, timeout=5.0) == [], "children left behind"
-        assert "Traceback" not in log, log
-        # A clean stop: exit status 0 (not killed by the signal) and the IPC directory removed.
-        left = sorted(path for path in ipc if os.path.exists(path))
-        assert (code, left) == (0, []), f"exit code {code}, IPC directories left {left}:\n{log}"
+def assert_sigterm_stops_server_and_children(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, timeout=60.0) as http:
+        assert http.post("/generate", json=GENERATE).status_code == 200
+    children = server.children()
+    assert len(children) >= 2 and all(is_running(pid) for pid in children)
+    ipc = server.ipc_dirs
+    assert ipc and all(os.path.isdir(path) for path in ipc)
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.wait_exit(timeout=10.0)
+    log = server.log()
+    assert code is not None, "still running 10 s after SIGTERM"
+    assert wait_gone(children, timeout=5.0) == [], "children left behind"
+    assert "Traceback" not in log, log
+    # A clean stop: exit status 0 (not killed by the signal) and the IPC directory removed.
+    left = sorted(path for path in ipc if os.path.exists(path))
+    assert (code, left) == (0, []), f"exit code {code}, IPC directories left {left}:\n{log}"

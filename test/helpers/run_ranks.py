@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,13 +20,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from benchmark.common.process import free_port
+
+__all__ = ["free_port", "run_ranks"]
+
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(worker: Callable[..., Any], rank: int, n: int, init_method: str, args, results):
@@ -75,7 +72,7 @@ def run_ranks(worker: Callable[..., Any], n: int, *args: Any, timeout: float = 6
     """``worker`` must be a module-level function (spawn pickles it by name)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init_method = f"tcp://{HOST}:{free_port()}"
+    init_method = f"tcp://{HOST}:{free_port(HOST)}"
     procs = [
         ctx.Process(target=_rank_main, args=(worker, r, n, init_method, args, results))
         for r in range(n)

@@ -16,7 +16,7 @@ from srt.layers import cpu_kernels
 from srt.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load_library() is None, reason="no C compiler to build the kernels"
+    not cpu_kernels.available(), reason="no C compiler to build the kernels"
 )
 SLOTS, ROWS, CONTEXT = 600, 12, 80
 
@@ -56,8 +56,8 @@ def test_decode_attention_equals_reference(heads, kv_heads, dim, v_dim, mla):
     rows = torch.tensor([3, 0, 7, 11, 5])
     lens = torch.tensor([1, CONTEXT, 17, 33, 64])  # a sequence of one token included
     q = torch.randn(5, heads, dim)
-    lib, scale = cpu_kernels.load_library(), 1 / math.sqrt(dim)
-    out = cpu_kernels.decode_attention(lib, q, k_buf, v_buf, table, rows, lens, scale)
+    scale = 1 / math.sqrt(dim)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, table, rows, lens, scale)
     assert out.shape == (5, heads, v_dim)
     expected = _reference(q, k_buf, v_buf, table, rows, lens, scale)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
@@ -67,9 +67,8 @@ def test_decode_attention_gives_a_sequence_the_same_bits_in_any_batch():
     k_buf, v_buf, table = _cache(4, 64, 64, mla=False)
     rows, lens = torch.arange(ROWS), torch.randint(1, CONTEXT, (ROWS,))
     q = torch.randn(ROWS, 16, 64)
-    lib = cpu_kernels.load_library()
     run = lambda s: cpu_kernels.decode_attention(  # noqa: E731
-        lib, q[s], k_buf, v_buf, table, rows[s], lens[s], 0.125
+        q[s], k_buf, v_buf, table, rows[s], lens[s], 0.125
     )
     whole = run(slice(None))
     assert torch.equal(whole, torch.cat([run(slice(0, 5)), run(slice(5, None))]))
@@ -105,8 +104,8 @@ def test_extend_attention_equals_reference(heads, kv_heads, dim, v_dim):
     # One token, prefixes at and around the 64-key blocks, a sequence longer than two blocks.
     seqs = _extend_seqs([3, 0, 7, 1, 5, 2], [0, 5, 17, 0, 63, 64], [1, 70, 33, 130, 2, 65])
     q = torch.randn(int(seqs[2].sum()), heads, dim)
-    lib, scale = cpu_kernels.load_library(), 1 / math.sqrt(dim)
-    out = cpu_kernels.extend_attention(lib, q, k_buf, v_buf, table, seqs, scale)
+    scale = 1 / math.sqrt(dim)
+    out = cpu_kernels.extend_attention(q, k_buf, v_buf, table, seqs, scale)
     expected = _extend_reference(q, k_buf, v_buf, table, seqs, scale)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
@@ -116,9 +115,8 @@ def test_extend_attention_gives_a_token_the_same_bits_however_its_sequence_is_sp
     k_buf, v_buf = torch.randn(SLOTS, 2, 64), torch.randn(SLOTS, 2, 64)
     table = torch.randperm(SLOTS)[:400].view(2, 200)
     q = torch.randn(190, 10, 64)
-    lib = cpu_kernels.load_library()
     run = lambda rows, prefix, new, q_rows: cpu_kernels.extend_attention(  # noqa: E731
-        lib, q[q_rows], k_buf, v_buf, table, _extend_seqs(rows, prefix, new), 0.125
+        q[q_rows], k_buf, v_buf, table, _extend_seqs(rows, prefix, new), 0.125
     )
     whole = run([0, 1], [0, 10], [130, 60], slice(None))
     # The first sequence cut at token 50 (its tail then has a prefix of 50) and batched apart.
@@ -141,7 +139,7 @@ def test_rope_in_c_equals_pytorch(neox, params):
     positions = torch.tensor([0, 1, 63, 255, 5000, 17])  # 5000: past the first table
     expected = rope(positions, q, k)
     rope.pack_weights()
-    assert rope.kernel is not None
+    assert rope.in_kernel
     got = rope(positions, q, k)
     for out, ref in zip(got, expected):
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)

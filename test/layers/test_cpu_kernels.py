@@ -15,7 +15,7 @@ from srt.layers.linear import PanelWeight, ReplicatedLinear, linear, pack_weight
 from srt.layers.moe.fused_moe import FusedMoE
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load_library() is None, reason="no C compiler to build the kernel"
+    not cpu_kernels.available(), reason="no C compiler to build the kernel"
 )
 HIDDEN, INTER = 128, 128  # w13 [256, 128], w2 [128, 128]: several panels each
 
@@ -90,19 +90,18 @@ def test_off_by_environment_or_without_compiler(monkeypatch):
 
 
 def test_experts_whose_gate_does_not_fill_panels_stay_in_pytorch():
-    inter = cpu_kernels.load_library().srt_panel_width() * 3 // 2
+    inter = cpu_kernels.panel_width() * 3 // 2
     experts = FusedMoE(4, HIDDEN, inter)  # w13: 3 whole panels, but gate and up split one
     experts.pack_weights()
-    assert experts.panels is None and experts.kernel is None
+    assert experts.panels is None
 
 
 def test_unfit_shapes_and_dtypes_are_not_packed():
-    lib = cpu_kernels.load_library()
-    assert lib.srt_panel_width() in (32, 64)  # 4 vectors of 8 or 16 floats
-    assert not cpu_kernels.can_pack(lib, torch.zeros(2, 128, 64, dtype=torch.bfloat16))
-    assert cpu_kernels.can_pack(lib, torch.zeros(2, 100, 64))
-    assert not cpu_kernels.fills_panels(lib, torch.zeros(2, 100, 64))  # not for the experts
-    assert cpu_kernels.fills_panels(lib, torch.zeros(2, 128, 64))
+    assert cpu_kernels.panel_width() in (32, 64)  # 4 vectors of 8 or 16 floats
+    assert not cpu_kernels.can_pack(torch.zeros(2, 128, 64, dtype=torch.bfloat16))
+    assert cpu_kernels.can_pack(torch.zeros(2, 100, 64))
+    assert not cpu_kernels.fills_panels(torch.zeros(2, 100, 64))  # not for the experts
+    assert cpu_kernels.fills_panels(torch.zeros(2, 128, 64))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 97])
@@ -145,7 +144,7 @@ def test_rms_norm_equals_pytorch_on_views_and_with_residual():
     norm = RMSNorm(64, eps=1e-6)
     torch.nn.init.normal_(norm.weight)
     norm.pack_weights()
-    assert norm.kernel is not None
+    assert norm.in_kernel
     qkv = torch.randn(5, 12 * 64)
     heads = qkv[:, : 8 * 64].reshape(-1, 8, 64)  # a split QKV's heads: rows not contiguous
     latent = torch.randn(5, 64 + 32)[:, :64]  # MLA's latent sliced off a wider row

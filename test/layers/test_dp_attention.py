@@ -9,7 +9,7 @@ import torch
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.dp_attention import DpPaddingMode, attn_tp_chunk, chunk_sizes, dp_buffer_len
 from srt.layers.logits_processor import num_logit_rows
-from srt.managers.dp_sync import SyncRow, apply_dp_sync, dp_sync_info, sync_dp_batch
+from srt.model_executor.dp_sync import SyncRow, apply_dp_sync, dp_sync_info, sync_dp_batch
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs

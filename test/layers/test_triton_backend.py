@@ -107,7 +107,7 @@ def _compare(triton_backend, mode, layout, prefix, new):
     k, v = _new_kv(pool, layer, sum(new))
     out = _run(triton_backend, _batch(mode, pool, req_pool, rows, prefix, new), q, k, v, layer,
                save=True)  # fmt: skip
-    native = TorchNativeAttnBackend(None)
+    native = TorchNativeAttnBackend()
     expected = _run(native, _batch(mode, pool, req_pool, rows, prefix, new), q, k, v, layer,
                     save=False)  # fmt: skip
     assert out.shape == (sum(new), layer.num_heads, layer.v_head_dim)
@@ -157,7 +157,7 @@ def test_decode_follows_lengths_copied_into_the_same_tensors(layout):
     batch.seq_lens.copy_(torch.tensor(lens))
     out = backend.forward(q, None, None, layer, batch, save_kv_cache=False)
     fresh = _batch(ForwardMode.DECODE, pool, req_pool, new_rows, [n - 1 for n in lens], [1] * 3)
-    expected = _run(TorchNativeAttnBackend(None), fresh, q, None, None, layer, save=False)
+    expected = _run(TorchNativeAttnBackend(), fresh, q, None, None, layer, save=False)
     assert (out - expected).abs().max().item() <= 2e-5
 
 

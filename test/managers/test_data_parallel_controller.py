@@ -10,7 +10,7 @@ from srt.sampling.sampling_params import SamplingParams
 
 
 def req(num_tokens: int) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput("r", "", list(range(num_tokens)), SamplingParams())
+    return TokenizedGenerateReqInput("r", list(range(num_tokens)), SamplingParams())
 
 
 def test_round_robin_cycles():

@@ -1,21 +1,17 @@
 """The bundled trained checkpoints (``launch/train_tiny_models.py``) answer arithmetic they
 never saw, and answer it token for token the same with TP 2 + DP attention + two-batch overlap
 forced on, and with single-batch overlap. A fixed sample of the held-out problems; the full
-set is ``benchmark/eval_accuracy.py``'s."""
+set is ``benchmark/offline/eval_accuracy.py``'s."""
 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from arith_data import chat_answer, parse_answer, split_problems
 from make_tiny_models import BUNDLED_MODELS, bundled_model_path
 
 import srt
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "launch"))
-from arith_data import chat_answer, parse_answer, split_problems  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts engines
 
@@ -62,7 +58,7 @@ def single_rank() -> dict[str, list[dict]]:
 @pytest.mark.parametrize("name", BUNDLED_MODELS)
 def test_answers_problems_it_never_saw(name, single_rank):
     """All 16 right, zero-shot and in chat (the full held-out set is measured by
-    benchmark/eval_accuracy.py: docs/accuracy.md)."""
+    benchmark/offline/eval_accuracy.py: docs/accuracy.md)."""
     outs = single_rank[name]
     plain = [parse_answer(o["text"]) for o in outs[: len(SAMPLE)]]
     chat = [chat_answer(o["text"]) for o in outs[len(SAMPLE) :]]
@@ -71,8 +67,13 @@ def test_answers_problems_it_never_saw(name, single_rank):
         assert right == len(SAMPLE), (got, [p.answer for p in SAMPLE])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", BUNDLED_MODELS)
+# Each checkpoint in one layout, each layout with one of them: exactness of every layout ×
+# family is the model-level tests' (test_tbo_model, test_sbo_model), and DeepSeek-V3 under
+# DP attention + TBO is compared with transformers in test_hf_saved_deepseek_v3.
+@pytest.mark.parametrize(
+    "name, layout",
+    [("arith-qwen3-moe", "tp2-dp-attention-tbo"), ("arith-deepseek-v3", "tp2-sbo")],
+)
 def test_same_answers_in_every_layout(name, layout, single_rank):
     outs = run(name, **LAYOUTS[layout])
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in single_rank[name]]

@@ -26,7 +26,6 @@ extend, which expands keys and values from its cached latent, stays on SDPA.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,14 +121,14 @@ def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> Ex
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, kernels: ctypes.CDLL | None = None):
-        """``kernels``: the CPU kernels' library (``cpu_kernels.load_library``), for float32
-        attention on CPU; None keeps SDPA."""
-        self.kernels = kernels
+    def __init__(self, in_kernels: bool = False):
+        """``in_kernels``: float32 attention on CPU runs in the CPU kernels
+        (``cpu_kernels.decode_attention`` / ``extend_attention``); else SDPA."""
+        self.in_kernels = in_kernels
 
     def _in_kernel(self, batch: ForwardBatch) -> bool:
         return (
-            self.kernels is not None
+            self.in_kernels
             and batch.input_ids.device.type == "cpu"
             and batch.token_to_kv_pool.dtype == torch.float32
         )
@@ -175,7 +174,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             if layer.kv_from_cache is not None:
                 raise RuntimeError("in-place extend attention reads keys as cached, not expanded")
             return cpu_kernels.extend_attention(
-                self.kernels, q, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
+                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
                 meta.extend_seqs, layer.scaling,
             )  # fmt: skip
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
@@ -215,7 +214,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         if meta.in_place:
             return cpu_kernels.decode_attention(
-                self.kernels,
                 q,
                 pool.get_key_buffer(layer.layer_id),
                 pool.get_value_buffer(layer.layer_id),

@@ -151,7 +151,7 @@ class _KernelProjection:
 
     def _run(self, hidden, weights, ids) -> torch.Tensor:
         moe = self.moe
-        return cpu_kernels.fused_experts(moe.kernel, hidden, weights, ids, moe.start, *moe.panels)
+        return cpu_kernels.fused_experts(hidden, weights, ids, moe.start, *moe.panels)
 
     def row_sums(self, experts: range) -> torch.Tensor:
         ours = (self.local >= experts.start) & (self.local < experts.stop)

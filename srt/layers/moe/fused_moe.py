@@ -75,21 +75,16 @@ class FusedMoE(nn.Module):
             p.weight_loader = self.weight_loader
         # Set by pack_weights, once loaded: the CPU kernel with w13 and w2 in its panel layout
         # (``cpu_kernels``), or else per local expert oneDNN layouts of w13 and w2.
-        self.kernel = None
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def pack_weights(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
-        lib = cpu_kernels.load_library()
         gate = self.w13_weight[:, : self.w2_weight.shape[-1]]  # its panels pair with up's
-        if (
-            lib is not None
-            and all(cpu_kernels.can_pack(lib, w) for w in weights)
-            and all(cpu_kernels.fills_panels(lib, w) for w in (gate, self.w2_weight))
+        if all(cpu_kernels.can_pack(w) for w in weights) and all(
+            cpu_kernels.fills_panels(w) for w in (gate, self.w2_weight)
         ):
-            self.kernel = lib
-            self.panels = tuple(cpu_kernels.pack_panels(lib, w) for w in weights)
+            self.panels = tuple(cpu_kernels.pack_panels(w) for w in weights)
             return
         packed = [
             (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
@@ -100,7 +95,7 @@ class FusedMoE(nn.Module):
         """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
         weight = (self.w13_weight, self.w2_weight)[which][e]
         if self.panels is not None:
-            return linear(x, weight, packed=PanelWeight(self.kernel, self.panels[which][e]))
+            return linear(x, weight, packed=PanelWeight(self.panels[which][e]))
         return linear(x, weight, packed=None if self.packed is None else self.packed[e][which])
 
     def weight_loader(
@@ -129,7 +124,7 @@ class FusedMoE(nn.Module):
         float32 all of it is one call of the C kernel."""
         if self.panels is not None and hidden_states.dtype == torch.float32:
             return cpu_kernels.fused_experts(
-                self.kernel, hidden_states, topk_weights, topk_ids, self.start, *self.panels
+                hidden_states, topk_weights, topk_ids, self.start, *self.panels
             )
         num_tokens, top_k = topk_ids.shape
         if num_tokens == 0:

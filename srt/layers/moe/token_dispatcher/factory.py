@@ -16,12 +16,12 @@ from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispat
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
 from srt.layers.moe.token_dispatcher.standard import StandardDispatcher
 from srt.layers.moe.token_dispatcher.torch_a2a import DUPLEX_MIN_BYTES
-from srt.server_args import (
+from srt.server_args_choices import (
     DEEPEP_MODE_CHOICES,
     DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
     MOE_A2A_BACKEND_CHOICES,
+    NO_DEEPEP,
 )
-from srt.server_args_checks import NO_DEEPEP
 
 
 def create_dispatcher(

@@ -17,9 +17,9 @@ and combine a group each does not help (each all-to-all still loads both ways of
 With two groups, :class:`DuplexAllToAll` splits a large exchange by link direction instead:
 traffic from a lower to a higher rank on ``groups[0]``, from higher to lower on ``groups[1]``,
 so each group streams one way and both ways of a link are busy at once. Measured with
-benchmark/bench_dispatch.py over a 1 Gbit/s link: 0.48 Gbit/s each way on one group, 0.49 with
-a dispatch and a combine group, 0.94 split by direction. A small exchange stays on one group:
-the second collective costs more latency than it saves.
+benchmark/kernel/bench_dispatch.py over a 1 Gbit/s link: 0.48 Gbit/s each way on one group,
+0.49 with a dispatch and a combine group, 0.94 split by direction. A small exchange stays on
+one group: the second collective costs more latency than it saves.
 """
 
 from __future__ import annotations

@@ -1,0 +1,457 @@
+"""The GPU figures of srt's decode step (``benchmark/gpu_check.sh``, step 6; ``docs/gpu.md``).
+
+For one checkpoint (on a GPU, the 4-layer Qwen3-30B-A3B-shaped one of
+``make_random_model.py --preset qwen3-30b-a3b-4l``) and each batch size, through bench_one_batch's
+static batch (prefill of ``--input-len`` tokens, then ``--output-len`` decode steps):
+
+- decode step ms, CUDA graphs on and off (``--disable-cuda-graph`` as the runner has it: the
+  same weights decode without their graphs), and whether both decoded the same greedy tokens;
+- the memory floor: the bytes a decode step must read (the weights but the embedding table, of
+  the routed experts the share ``batch × top_k / experts`` capped at all of them, and the KV
+  cache the batch attends to) ÷ the copy bandwidth measured here, and step ÷ floor;
+- from torch.profiler, per decode step: CUDA kernels, launch calls, host synchronisations
+  (``cudaStreamSynchronize`` and kin), ``cudaMemcpyAsync`` calls and the device-busy share
+  (kernel and copy time, overlaps merged, ÷ wall time), graphs on and off;
+- two-batch overlap forced on and off (``--moe-a2a-backend torch``) at ``--tbo-batch-size``;
+- srt vs HF transformers end to end (``hf_compare.compare_with_hf``, as ``--compare-hf``).
+
+Every section prints as it finishes; one that fails prints FAIL and the others still run (exit
+status 1 if any failed). On CPU it runs too (``--device cpu --dtype float32`` with a tiny
+model and small sizes), where the profiler sees no CUDA work and the counts are zero.
+
+    python benchmark/gpu/gpu_report.py --model-path DIR --batch-size 1 64 --input-len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from benchmark.offline.bench_one_batch import (
+    load_hf_model,
+    make_batch,
+    make_runner,
+    random_inputs,
+    run_once,
+    step,
+)
+from benchmark.offline.hf_compare import compare_with_hf
+from srt.model_executor.cpu_threads import DecodeWeights
+from srt.server_args import ServerArgs
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+)  # fmt: skip
+TBO_FLAGS = {
+    "moe_a2a_backend": "torch",
+    "enable_two_batch_overlap": True,
+    # forced: every batch splits, however small
+    "tbo_decode_token_threshold": 0,
+    "tbo_prefill_token_threshold": 0,
+}
+
+
+class CheckFailed(AssertionError):
+    """A figure was measured and is wrong (as opposed to a section that crashed)."""
+
+
+class Report:
+    """Headed sections; one that raises is reported FAIL and the run goes on."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    @contextlib.contextmanager
+    def section(self, title: str) -> Iterator[None]:
+        print(f"\n=== {title} ===", flush=True)
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as e:  # report it, run the next section
+            if not isinstance(e, CheckFailed):
+                traceback.print_exc(limit=-4)  # the frames that say where
+            print(f"FAIL {title}: {type(e).__name__}: {e}", flush=True)
+            self.failed.append(title)
+        else:
+            print(f"--- {title}: {time.perf_counter() - start:.1f} s", flush=True)
+
+    def exit_status(self) -> int:
+        print("\nfailed: " + (", ".join(self.failed) if self.failed else "none"), flush=True)
+        return 1 if self.failed else 0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release() -> None:
+    """Give the memory of objects the caller just dropped back to the device (runners hold
+    reference cycles), so that the next runner's KV budget, sized from free memory, sees it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def new_runner(model_path: str, device: str, dtype: str, max_bs: int, max_tokens: int, **flags):
+    """bench_one_batch's runner and batch context, with ``flags`` as server flags
+    (``cuda_graph_bs`` dropped off CUDA, where ServerArgs refuses it)."""
+    if device != "cuda":
+        flags.pop("cuda_graph_bs", None)
+    server_args = ServerArgs(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        max_running_requests=max_bs,
+        max_total_tokens=max_tokens,
+        **flags,
+    )
+    return make_runner(server_args, max_bs, max_tokens)
+
+
+@contextlib.contextmanager
+def eager(runner) -> Iterator[None]:
+    """Decode without the captured graphs, as ``--disable-cuda-graph`` would: one copy of the
+    weights (6 GB on the GPU) serves both measurements."""
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        yield
+    finally:
+        runner.graph_runner = graphs
+
+
+def check_ran_as_asked(runner, variant: str) -> None:
+    """The variant's mode really ran: split steps, SBO steps, decode from the graphs."""
+    counts = runner.forward_step_counts
+    if variant.startswith("tbo") and not any(tbo for tbo, _, _ in counts):
+        raise CheckFailed(f"no step ran split: {dict(counts)}")
+    if variant == "sbo" and not any(sbo for _, sbo, _ in counts):
+        raise CheckFailed(f"no step ran single-batch overlap: {dict(counts)}")
+    if runner.device.type != "cuda" or "graphs" not in variant:
+        return
+    if runner.graph_runner is None:
+        raise CheckFailed("no CUDA graphs were captured")
+    if not runner.graph_runner.num_replays:
+        raise CheckFailed("no decode step replayed a CUDA graph")
+
+
+# How a runner with graphs decodes: from them, or eagerly (``eager``).
+MODES = {"graphs": contextlib.nullcontext, "eager": eager}
+
+
+def copy_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> float:
+    """Bytes per second a device-to-device copy moves (each byte read once and written once,
+    so 2 × the tensor's size per copy), timed with CUDA events on a GPU."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of the pages, the copy kernel loaded
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t = time.perf_counter()
+        for _ in range(repeat):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t
+    return 2 * src.nbytes * repeat / seconds
+
+
+def floor_bytes(runner, batch_size: int, kv_tokens: int) -> int:
+    """What one decode step must read: ``DecodeWeights.read_by`` (all weights but the routed
+    experts, of which the share the batch can touch), less the embedding table but the batch's
+    rows (unless the LM head reads it), plus the KV cache of ``kv_tokens`` tokens."""
+    model = runner.model
+    read = DecodeWeights.of(model).read_by(batch_size)
+    embed = model.model.embed_tokens.weight
+    if getattr(model.lm_head, "weight", None) is not embed:
+        read -= embed.nbytes - batch_size * embed[0].nbytes
+    return read + kv_tokens * runner.token_to_kv_pool.bytes_per_token()
+
+
+def start_decoding(runner, ctx, inputs: list[list[int]], output_len: int):
+    """A fresh batch of ``inputs``, prefilled; its decode steps follow with ``decode_step``."""
+    ctx.req_to_token_pool.clear()
+    ctx.allocator.clear()
+    batch = make_batch(ctx, inputs, output_len)
+    batch.prepare_for_extend()
+    step(runner, batch)
+    return batch
+
+
+def decode_step(runner, batch) -> None:
+    batch.prepare_for_decode()
+    step(runner, batch)
+
+
+def merged_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def step_counts(events, steps: int, wall: float) -> dict[str, float]:
+    """Per step: kernels (device events but copies and memsets), launch / sync / copy calls
+    (the CUDA runtime and driver calls kineto records on the host), and the device-busy share
+    (device events merged ÷ wall time). All zero on CPU, busy share NaN."""
+    from torch.autograd import DeviceType
+
+    device = [
+        e
+        for e in events
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    kernels = sum(not e.name.startswith(("Memcpy", "Memset")) for e in device)
+    calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU)
+    busy_us = merged_length([(e.time_range.start, e.time_range.end) for e in device])
+    return {
+        "kernels": kernels / steps,
+        "launches": sum(calls[c] for c in LAUNCH_CALLS) / steps,
+        "syncs": sum(calls[c] for c in SYNC_CALLS) / steps,
+        "copies": sum(calls[c] for c in COPY_CALLS) / steps,
+        "busy": busy_us / (wall * 1e6) if device else math.nan,
+    }
+
+
+def profile_decode(runner, ctx, inputs: list[list[int]], steps: int) -> dict[str, float]:
+    """``step_counts`` over ``steps`` decode steps of ``inputs`` (prefilled, two steps warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = start_decoding(runner, ctx, inputs, steps + 2)
+    for _ in range(2):
+        decode_step(runner, batch)
+    cuda = runner.device.type == "cuda"
+    # CUDA activity alone: kineto records the runtime and driver calls with it, and leaving the
+    # CPU operators out keeps the profiler's own cost off the host-bound eager steps.
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            decode_step(runner, batch)
+        sync(runner.device)
+        wall = time.perf_counter() - start
+    return step_counts(prof.events(), steps, wall)
+
+
+def timed_decode(args, runner, ctx, inputs: list[list[int]]) -> dict:
+    """run_once after a short warm-up (Triton compiles, the allocator grows)."""
+    run_once(runner, ctx, inputs, min(args.output_len, 4), verbose=False)
+    return run_once(runner, ctx, inputs, args.output_len, verbose=False)
+
+
+def measure_decode(args, runner, ctx, inputs: list[list[int]], bandwidth: float) -> dict:
+    """One batch, graphs on then off: decode step, floor, greedy tokens."""
+    graph = timed_decode(args, runner, ctx, inputs)
+    with eager(runner):
+        plain = timed_decode(args, runner, ctx, inputs)
+    batch_size, input_len = len(inputs), len(inputs[0])
+    # the median decode step attends to about half the generated tokens besides the prompt
+    read = floor_bytes(runner, batch_size, batch_size * (input_len + args.output_len // 2))
+    return {
+        "graph": graph,
+        "graph_ms": graph["median_decode_latency"] * 1e3,
+        "eager_ms": plain["median_decode_latency"] * 1e3,
+        "floor_bytes": read,
+        "floor_ms": read / bandwidth * 1e3,
+        "same_tokens": graph["output_ids"] == plain["output_ids"],
+    }
+
+
+def fmt(x: float, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def decode_table(args, runner, ctx, bandwidth: float, figures: dict) -> None:
+    vocab = runner.model_config.vocab_size
+    print(
+        f"{'batch':>5} {'graph ms':>9} {'eager ms':>9} {'floor GB':>9} {'floor ms':>9} "
+        f"{'graph/floor':>11} {'eager/floor':>11}  greedy graph == eager"
+    )
+    for bs in args.batch_size:
+        inputs = random_inputs(vocab, bs, args.input_len, args.seed)
+        r = figures[bs] = measure_decode(args, runner, ctx, inputs, bandwidth)
+        print(
+            f"{bs:>5} {fmt(r['graph_ms']):>9} {fmt(r['eager_ms']):>9} "
+            f"{fmt(r['floor_bytes'] / 1e9, '.3f'):>9} {fmt(r['floor_ms'], '.3f'):>9} "
+            f"{fmt(r['graph_ms'] / r['floor_ms']):>11} {fmt(r['eager_ms'] / r['floor_ms']):>11}"
+            f"  {'yes' if r['same_tokens'] else 'NO'}",
+            flush=True,
+        )
+
+
+def profile_table(args, runner, ctx) -> None:
+    vocab = runner.model_config.vocab_size
+    print(
+        f"{'batch':>5} {'mode':>6} {'kernels':>8} {'launches':>8} {'syncs':>6} "
+        f"{'memcpys':>7} {'busy':>6}   (per decode step)"
+    )
+    for bs in args.batch_size:
+        inputs = random_inputs(vocab, bs, args.input_len, args.seed)
+        for mode, decoding in MODES.items():
+            with decoding(runner):
+                c = profile_decode(runner, ctx, inputs, args.profile_steps)
+            print(
+                f"{bs:>5} {mode:>6} {fmt(c['kernels'], '.0f'):>8} {fmt(c['launches'], '.0f'):>8} "
+                f"{fmt(c['syncs'], '.1f'):>6} {fmt(c['copies'], '.1f'):>7} "
+                f"{fmt(c['busy'] * 100, '.0f'):>5}%",
+                flush=True,
+            )
+
+
+def tbo_table(args) -> None:
+    """Decode step with two-batch overlap forced off and on (both ``--moe-a2a-backend torch``,
+    whose all-to-all on one rank moves nothing: this is the cost of the split itself)."""
+    bs = args.tbo_batch_size
+    print(f"{'batch':>5} {'tbo':>4} {'graph ms':>9} {'eager ms':>9}  greedy graph == eager")
+    ms: dict[str, tuple[float, float]] = {}
+    for label, flags in (("off", {"moe_a2a_backend": "torch"}), ("on", TBO_FLAGS)):
+        runner, ctx = new_runner(
+            args.model_path, args.device, args.dtype, bs, max_tokens(args, bs),
+            cuda_graph_bs=[bs], **flags,
+        )  # fmt: skip
+        inputs = random_inputs(runner.model_config.vocab_size, bs, args.input_len, args.seed)
+        graph = timed_decode(args, runner, ctx, inputs)
+        with eager(runner):
+            plain = timed_decode(args, runner, ctx, inputs)
+        ms[label] = graph["median_decode_latency"] * 1e3, plain["median_decode_latency"] * 1e3
+        same = graph["output_ids"] == plain["output_ids"]
+        print(
+            f"{bs:>5} {label:>4} {ms[label][0]:>9.2f} {ms[label][1]:>9.2f}  "
+            f"{'yes' if same else 'NO'}",
+            flush=True,
+        )
+        if label == "on":
+            check_ran_as_asked(runner, "tbo+graphs")
+        del runner, ctx
+        release()
+    (graph_on, eager_on), (graph_off, eager_off) = ms["on"], ms["off"]
+    print(f"on / off: graphs {graph_on / graph_off:.2f}x, eager {eager_on / eager_off:.2f}x")
+
+
+def hf_table(args, runner, figures: dict) -> None:
+    """srt (graphs on, the runs of the decode table) vs HF transformers on the same batches."""
+    hf_model = load_hf_model(runner.server_args, runner)
+    vocab = runner.model_config.vocab_size
+    rows = []
+    for bs in args.batch_size:
+        print(f"[batch {bs}]")
+        inputs = random_inputs(vocab, bs, args.input_len, args.seed)
+        ours = figures[bs]["graph"]
+        rows.append((bs, compare_with_hf(hf_model, inputs, args.output_len, ours)))
+    print(f"{'batch':>5} {'prefill x':>9} {'total x':>8} {'same greedy':>11}")
+    for bs, r in rows:
+        print(
+            f"{bs:>5} {r['prefill_speedup_vs_hf']:>9.2f} {r['total_speedup_vs_hf']:>8.2f} "
+            f"{r['num_identical_outputs']:>6}/{bs}"
+        )
+    del hf_model
+    release()
+
+
+def max_tokens(args, max_bs: int) -> int:
+    """KV slots for the largest batch: prompt, decode steps, profiled steps, warm-up."""
+    return max_bs * (args.input_len + args.output_len + args.profile_steps + 8)
+
+
+def main_runner(args):
+    """The runner of the decode and profile tables: graphs for exactly the batch sizes."""
+    start = time.perf_counter()
+    runner, ctx = new_runner(
+        args.model_path, args.device, args.dtype, max(args.batch_size),
+        max_tokens(args, max(args.batch_size)), cuda_graph_bs=sorted(set(args.batch_size)),
+    )  # fmt: skip
+    sync(runner.device)
+    graphs = runner.graph_runner
+    print(
+        f"loaded in {time.perf_counter() - start:.1f} s: {runner.weight_bytes / 1e9:.2f} GB of "
+        f"weights ({runner.model_config.dtype}), attention {runner.server_args.attention_backend}"
+        f", experts {expert_kernel(runner)}, CUDA graphs for "
+        f"{graphs.batch_sizes if graphs is not None else 'none (eager only)'}"
+    )
+    return runner, ctx
+
+
+def expert_kernel(runner) -> str:
+    """How the routed experts run here (``FusedMoE._grouped_kernel``) on a decode batch."""
+    from srt.layers.moe.fused_moe import FusedMoE
+
+    experts = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
+    if experts is None:
+        return "none"
+    x = torch.empty(1, experts.w13_weight.shape[-1], dtype=runner.model_config.dtype)
+    return experts._grouped_kernel(x.to(runner.device))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=16, help="tokens per timed run")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--tbo-batch-size", type=int, default=64)
+    parser.add_argument("--copy-mib", type=int, default=1024, help="tensor size, bandwidth")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["profile", "tbo", "hf"], help="sections"
+    )
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    report, figures = Report(), {}
+    device = torch.device(args.device)
+    with report.section("device"):
+        describe_device(device)
+        bandwidth = copy_bandwidth(device, args.copy_mib)
+        print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write, {args.copy_mib} MiB)")
+    with report.section("load"):
+        runner, ctx = main_runner(args)
+    if report.failed:
+        return report.exit_status()  # nothing below runs without the runner
+    with report.section(f"decode step (input {args.input_len}, {args.output_len} tokens)"):
+        decode_table(args, runner, ctx, bandwidth, figures)
+    if "profile" not in args.skip:
+        with report.section("profile"):
+            profile_table(args, runner, ctx)
+    if "tbo" not in args.skip:
+        with report.section(f"two-batch overlap (batch {args.tbo_batch_size})"):
+            tbo_table(args)
+    if "hf" not in args.skip:
+        with report.section("srt vs HF transformers"):
+            hf_table(args, runner, figures)
+    return report.exit_status()
+
+
+def describe_device(device: torch.device) -> None:
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

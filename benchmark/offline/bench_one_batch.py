@@ -1,0 +1,375 @@
+"""Latency of one static batch: a prefill of ``batch × input_len`` tokens, then ``output_len``
+decode steps, through srt's ModelRunner and scheduling structures (no server), as SGLang's
+bench_one_batch. With ``--compare-hf`` the same work runs through HF transformers (a forward for
+the prefill, ``generate`` for the whole) in the same process, and the ratios are printed.
+
+    python benchmark/offline/bench_one_batch.py --model-path DIR --batch-size 1 8 32 64 \
+        --input-len 256 --output-len 32 --compare-hf
+
+With ``--tp-size N`` it starts N rank processes (one gloo or nccl world on loopback); under DP
+attention every DP group runs its own batch of ``--batch-size`` sequences, so the sizes are per
+group. ``--enable-two-batch-overlap`` runs the steps split, ``--enable-single-batch-overlap``
+with the blocked combine; ``--compare-overlap`` runs every configuration with that overlap (TBO
+unless SBO is given) off and on, interleaved (``--repeat`` times, medians), and prints the
+speed-up and the share of the all-to-all time hidden, (T_off − T_on) / T_comm, where T_comm is
+the time the plain step spends in its all-to-all operations (recorded in the same run).
+``--nnodes/--node-rank/--dist-init-addr`` spread the ranks over machines (run the command on
+every node; rank 0, on node 0, prints). ``--profile DIR`` writes rank 0's operation timeline
+of one prefill and one decode step: a Chrome / Perfetto trace (``trace_*.json``) and a PNG of
+one MoE layer (``layer_*.png``).
+
+    python benchmark/offline/bench_one_batch.py --model-path MID --tp 2 --dp 2 \
+        --enable-dp-attention --moe-a2a-backend torch --compare-overlap --batch-size 32 128 \
+        --input-len 4 --output-len 8 --profile /tmp/tbo
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from make_tiny_models import default_model_path
+
+from benchmark.common.process import free_port
+from benchmark.kernel.op_timeline import (
+    comm_seconds,
+    matplotlib_missing,
+    plot_layer,
+    write_chrome_trace,
+)
+from benchmark.offline.hf_compare import compare_with_hf
+from srt.batch_overlap.operations import OperationObserver
+from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
+from srt.managers.scheduler_process import init_rank_parallel_state
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from srt.utils.process import freeze_startup_heap
+
+
+def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int, parallel=None):
+    graphs = {}
+    if server_args.cuda_graph_bs is not None:  # CUDA: the batch measured has a graph of its own
+        sizes = {b for b in server_args.cuda_graph_bs if b <= max_batch_size} | {max_batch_size}
+        graphs = dict(cuda_graph_bs=sorted(sizes), cuda_graph_max_bs=None)
+    args = dataclasses.replace(
+        server_args,
+        max_total_tokens=max(max_tokens, 16),
+        max_running_requests=max_batch_size,
+        **graphs,
+    )
+    runner = ModelRunner(args, parallel=parallel)
+    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device)
+    ctx = BatchContext(
+        runner.req_to_token_pool,
+        runner.token_to_kv_pool_allocator,
+        cache,
+        runner.device,
+        runner.model_config.vocab_size,
+    )
+    return runner, ctx
+
+
+def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -> ScheduleBatch:
+    reqs = []
+    for i, ids in enumerate(input_ids):
+        # min_new_tokens masks EOS exactly as HF generate's min_new_tokens does.
+        params = SamplingParams(
+            max_new_tokens=output_len, min_new_tokens=output_len, temperature=0, ignore_eos=True
+        )
+        params.normalize(None)
+        req = Req(str(i), ids, params)
+        req.init_next_round_input(ctx.tree_cache)
+        reqs.append(req)
+    return ScheduleBatch(reqs, ctx)
+
+
+def step(runner: ModelRunner, batch: ScheduleBatch) -> list[int]:
+    forward_batch = batch.to_forward_batch(runner)
+    next_ids = runner.sample(runner.forward_step(forward_batch), forward_batch).tolist()
+    for req, tok in zip(batch.reqs, next_ids):
+        req.output_ids.append(tok)
+    return next_ids
+
+
+def run_once(
+    runner, ctx, input_ids: list[list[int]], output_len: int, verbose: bool, observer=None
+) -> dict:
+    """With an ``observer`` (recording) the result holds the operation events of the prefill
+    step and of the first decode step."""
+    ctx.req_to_token_pool.clear()
+    ctx.allocator.clear()
+    batch_size, input_len = len(input_ids), len(input_ids[0])
+    batch = make_batch(ctx, input_ids, output_len)
+    runner.set_operation_observer(observer)
+    events = {}
+    start = time.perf_counter()
+    batch.prepare_for_extend()
+    step(runner, batch)
+    prefill = time.perf_counter() - start
+    if observer is not None:
+        events["prefill"] = observer.take_events()
+    report(
+        verbose,
+        f"Prefill. latency: {prefill:6.5f} s, "
+        f"throughput: {batch_size * input_len / prefill:9.2f} token/s",
+    )
+    decode = []
+    for i in range(output_len - 1):
+        t = time.perf_counter()
+        batch.prepare_for_decode()
+        step(runner, batch)
+        decode.append(time.perf_counter() - t)
+        if observer is not None and i == 0:
+            events["decode"] = observer.take_events()
+        if i < 5:
+            report(
+                verbose,
+                f"Decode {i}. Batch size: {batch_size}, latency: {decode[-1]:6.5f} s,"
+                f" throughput: {batch_size / decode[-1]:9.2f} token/s",
+            )
+    total = time.perf_counter() - start
+    runner.set_operation_observer(None)
+    med = statistics.median(decode) if decode else float("nan")
+    report(
+        verbose,
+        f"Decode.  median latency: {med:6.5f} s, "
+        f"median throughput: {batch_size / med:9.2f} token/s",
+    )
+    tokens = batch_size * (input_len + output_len)
+    report(verbose, f"Total. latency: {total:6.3f} s, throughput: {tokens / total:9.2f} token/s")
+    return {
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency": prefill,
+        "median_decode_latency": med,
+        "total_latency": total,
+        "output_ids": [r.output_ids for r in batch.reqs],
+        "events": events,
+    }
+
+
+def report(verbose: bool, line: str) -> None:
+    if verbose:
+        print(line, flush=True)
+
+
+def random_inputs(vocab: int, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 500), (batch_size, input_len), generator=gen).tolist()
+
+
+def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    parser.add_argument("--input-len", type=int, nargs="+", default=[1024])
+    parser.add_argument("--output-len", type=int, nargs="+", default=[16])
+    parser.add_argument("--run-name", default="default")
+    parser.add_argument("--result-filename", default=None, help="append JSON lines here")
+    parser.add_argument(
+        "--compare-hf", action="store_true", help="also run the same batch through HF transformers"
+    )
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="run every configuration with two-batch overlap off and on (needs a layout that "
+        "allows it, see --enable-two-batch-overlap)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per configuration")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write timelines here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.model_path is None:
+        args.model_path = default_model_path()
+    if args.profile and (missing := matplotlib_missing()):
+        parser.error(missing)
+    if args.compare_overlap and args.overlap_mode in ("off", "auto"):
+        parser.error("--compare-overlap compares off with one fixed mode: tbo or sbo")
+    if args.compare_overlap and args.overlap_mode is None and not args.enable_single_batch_overlap:
+        args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
+    if args.compare_hf and args.tp_size > 1:
+        parser.error("--compare-hf runs on one rank (--tp-size 1)")
+    return args, ServerArgs.from_cli_args(args)
+
+
+def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, ServerArgs]:
+    """The configurations one run measures: the given one, or overlap off and on."""
+    if not args.compare_overlap:
+        return {"": server_args}
+    kind = server_args.overlap_mode
+    off = dataclasses.replace(
+        server_args,
+        overlap_mode="off",
+        enable_two_batch_overlap=False,
+        enable_single_batch_overlap=False,
+        sbo_num_blocks=None,
+        sbo_communication_sms=None,
+    )
+    return {f"{kind}_off": off, f"{kind}_on": server_args}
+
+
+def load_hf_model(server_args: ServerArgs, runner: ModelRunner):
+    """HF transformers' model of the same checkpoint, on the runner's device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        server_args.model_path, dtype=runner.model_config.dtype
+    )
+    return model.to(runner.device).eval()
+
+
+def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, init) -> None:
+    """One rank's whole benchmark; rank 0 prints and writes the results. The process groups
+    are destroyed before the process exits (gloo's threads abort an exit that finds them)."""
+    parallel = None
+    if server_args.tp_size > 1:
+        parallel = init_rank_parallel_state(server_args, init, rank)
+    try:
+        _bench(rank, args, server_args, parallel)
+    finally:
+        if parallel is not None:
+            parallel.destroy()
+
+
+def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, parallel) -> None:
+    verbose = rank == 0
+    configs = list(itertools.product(args.batch_size, args.input_len, args.output_len))
+    max_tokens = max(b * (i + o) for b, i, o in configs)
+    runners = {
+        label: make_runner(sa, max(args.batch_size), max_tokens, parallel)
+        for label, sa in _variants(args, server_args).items()
+    }
+    freeze_startup_heap()  # as the scheduler process does once it is up
+    any_runner = next(iter(runners.values()))[0]
+    hf_model = load_hf_model(server_args, any_runner) if args.compare_hf else None
+    vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
+    for batch_size, input_len, output_len in configs:
+        inputs = random_inputs(vocab, batch_size, input_len, args.seed + group)
+        report(
+            verbose,
+            f"Warmup ...\nBenchmark: batch size {batch_size} (per DP group), "
+            f"input len {input_len}, output len {output_len}",
+        )
+        summary = _measure(args, runners, inputs, output_len, verbose)
+        if args.profile or args.compare_overlap:
+            summary = _profile(args, runners, inputs, summary, verbose, (batch_size, input_len))
+        if hf_model is not None:
+            summary[""] |= compare_with_hf(hf_model, inputs, output_len, summary[""])
+        if verbose and args.result_filename:
+            _write_results(args, server_args, summary)
+
+
+def _measure(args, runners: dict, inputs, output_len: int, verbose: bool) -> dict:
+    """Warm-up, then ``--repeat`` runs of every variant, interleaved; medians."""
+    results: dict[str, list[dict]] = {}
+    for runner, ctx in runners.values():
+        run_once(runner, ctx, inputs, min(output_len, 4), verbose=False)
+    for _ in range(args.repeat):
+        for label, (runner, ctx) in runners.items():
+            report(verbose and label != "", f"[{label}]")
+            results.setdefault(label, []).append(
+                run_once(runner, ctx, inputs, output_len, verbose=verbose)
+            )
+    return {label: _median_result(runs) for label, runs in results.items()}
+
+
+def _write_results(args, server_args: ServerArgs, summary: dict) -> None:
+    with open(args.result_filename, "a") as f:
+        for label, result in summary.items():
+            result = {k: v for k, v in result.items() if k not in ("output_ids", "events")}
+            tags = {
+                "run_name": args.run_name,
+                "variant": label or None,
+                "tp_size": server_args.tp_size,
+                "dp_size": server_args.dp_size,
+            }
+            f.write(json.dumps(tags | result) + "\n")
+
+
+def _median_result(runs: list[dict]) -> dict:
+    out = dict(runs[0])
+    for key in ("prefill_latency", "median_decode_latency", "total_latency"):
+        out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
+def _profile(args, runners, inputs, summary: dict, verbose: bool, shape) -> dict:
+    """One recorded run per variant: T_comm of the unsplit steps, the hidden share, the
+    timelines."""
+    steps = {}
+    for label, (runner, ctx) in runners.items():
+        events = run_once(runner, ctx, inputs, 2, False, OperationObserver(record=True))["events"]
+        for kind, evs in events.items():
+            steps[f"{label or 'run'} {kind}"] = evs
+            summary[label][f"{kind}_comm_seconds"] = comm_seconds(evs)
+    if args.compare_overlap:
+        (name, off), (_, on) = [(label[:3].upper(), summary[label]) for label in runners]
+        for kind, key in (("prefill", "prefill_latency"), ("decode", "median_decode_latency")):
+            comm = off[f"{kind}_comm_seconds"]
+            on[f"{kind}_speedup"] = off[key] / on[key]
+            on[f"{kind}_hidden_fraction"] = (off[key] - on[key]) / comm if comm else float("nan")
+            report(
+                verbose,
+                f"{name} {kind}: off {off[key] * 1e3:8.2f} ms, on {on[key] * 1e3:8.2f} "
+                f"ms, speed-up {on[f'{kind}_speedup']:5.3f}x, T_comm {comm * 1e3:7.2f} ms, "
+                f"hidden {on[f'{kind}_hidden_fraction']:6.1%}",
+            )
+    if args.profile and verbose:
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = f"b{shape[0]}_i{shape[1]}"
+        write_chrome_trace(out / f"trace_{tag}.json", steps)
+        model = next(iter(runners.values()))[0].model.model
+        middle = model.tbo_start_layer + (len(model.layers) - model.tbo_start_layer) // 2
+        plot_layer(out / f"layer_{tag}.png", steps, middle)
+        report(verbose, f"Timelines: {out}/trace_{tag}.json, {out}/layer_{tag}.png")
+    return summary
+
+
+def main() -> None:
+    args, server_args = parse_args()
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()))
+    if server_args.tp_size == 1:
+        bench_rank(0, args, server_args, None)
+        return
+    if server_args.nnodes > 1:  # this node's ranks; node 0's address for the rendezvous
+        host, _, port = server_args.dist_init_addr.rpartition(":")
+        per_node = server_args.num_ranks_per_node
+        ranks = range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+    else:
+        host, port, ranks = "127.0.0.1", free_port(), range(server_args.tp_size)
+    init = SimpleNamespace(dist_init_method=f"tcp://{host}:{port}", dist_init_host=host)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=bench_rank, args=(rank, args, server_args, init)) for rank in ranks]
+    for p in procs:
+        p.start()
+    failed = False
+    while procs:
+        for p in list(procs):
+            p.join(timeout=0.2)
+            if p.exitcode is None:
+                continue
+            procs.remove(p)
+            if p.exitcode != 0 and not failed:
+                failed = True
+                print(f"bench_one_batch: a rank exited with {p.exitcode}", file=sys.stderr)
+                for other in procs:
+                    other.terminate()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

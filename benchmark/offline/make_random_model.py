@@ -1,0 +1,150 @@
+"""Write a random Qwen3-MoE checkpoint for benchmarks, with the tiny models' tokenizer.
+Deterministic. Presets:
+
+- ``mid`` (default): hidden 1024, 8 layers, 16 experts top-2; about 0.9 GB in float32.
+- ``emulated``: hidden 1024, 4 layers, 8 experts top-2 with small experts (intermediate 64)
+  and 4 attention heads: the all-to-all bytes of a token stay those of hidden 1024 while its
+  compute shrinks, so that on one CPU core per node compute and communication are of the same
+  order over a 1 Gbit/s link (the emulated-cluster benchmark).
+- ``small``: Qwen3-MoE, hidden 96, 3 layers, 12 experts top-3, head_dim 32: every op is tiny,
+  so per-step host overhead decides the speed (the serving comparison with vLLM).
+- ``deepseek-v3``: DeepSeek-V3 shape (MLA with kv_lora_rank 512 and rope dim 64, the only MLA
+  shape vLLM's CPU kernel takes; sigmoid grouped routing with correction bias, a shared
+  expert, one dense first layer), hidden 256, 4 layers, 16 experts top-4.
+- ``qwen3-30b-a3b-4l``: Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts top-8 of
+  intermediate 768, 32 query / 4 KV heads of head_dim 128, vocab 151936) with 4 of its 48
+  layers, stored in bf16 (about 6 GB): a decode step reads what one of the real model's would,
+  per layer, for the GPU figures (``benchmark/gpu/gpu_report.py``). Token ids past the tokenizer's
+  512 only pad the vocabulary; their logits are damped like the other unprintable ones.
+
+    python benchmark/offline/make_random_model.py --out-dir DIR \
+        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from make_tiny_models import (
+    EOS_TOKEN,
+    _write_json,
+    build_tokenizer,
+    deepseek_config,
+    deepseek_shapes,
+    make_tensors,
+    qwen3_moe_config,
+    qwen3_moe_shapes,
+    save_tokenizer,
+    save_weights,
+    unprintable_token_ids,
+)
+
+MID_SIZE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "intermediate_size": 2048,
+}
+EMULATED = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+}
+SMALL = {
+    "hidden_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 12,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+}
+DEEPSEEK_V3 = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "moe_intermediate_size": 128,
+    "intermediate_size": 512,
+}
+QWEN3_30B_A3B_4L = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_MOE_PRESETS = {
+    "mid": MID_SIZE,
+    "emulated": EMULATED,
+    "small": SMALL,
+    "qwen3-30b-a3b-4l": QWEN3_30B_A3B_4L,
+}
+PRESETS = [*QWEN3_MOE_PRESETS, "deepseek-v3"]
+
+
+def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    vocab_size = -(-tok.get_vocab_size() // 8) * 8
+    if preset in QWEN3_MOE_PRESETS:
+        cfg = qwen3_moe_config(vocab_size, eos_id) | QWEN3_MOE_PRESETS[preset]
+        name, shapes = f"{preset}-qwen3-moe", qwen3_moe_shapes(cfg)
+    else:
+        cfg = deepseek_config(3, vocab_size, eos_id) | DEEPSEEK_V3
+        name, shapes = preset, deepseek_shapes(cfg)
+    tensors = make_tensors(name, shapes, unprintable_token_ids(tok, cfg["vocab_size"]))
+    if cfg["torch_dtype"] != "float32":  # stored as the config says: bf16 halves 12 GB
+        for key, t in tensors.items():  # one at a time: the float32 copies go as they come
+            tensors[key] = t.to(getattr(torch, cfg["torch_dtype"]))
+    save_tokenizer(tok, out)
+    save_weights(tensors, out, num_shards=4)
+    _write_json(out / "config.json", cfg)  # written last: its presence means complete
+    return str(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--preset", choices=PRESETS, default="mid")
+    args = parser.parse_args()
+    print(make_mid_size_model(args.out_dir, args.preset))
+
+
+if __name__ == "__main__":
+    main()

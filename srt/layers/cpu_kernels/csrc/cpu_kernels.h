@@ -1,0 +1,135 @@
+/* What the CPU kernels' C files share: the functions they export (called from Python through
+ * ctypes, each declared there with the same types: build.py, checked by a test), the attention
+ * kernels' index checks, the vector type (one register), the sum of its lanes and a
+ * vectorizable exp. */
+
+#ifndef SRT_CPU_KERNELS_H
+#define SRT_CPU_KERNELS_H
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* The exported functions. Each returns 0, or one of the codes below; none writes its output
+ * before its index checks pass. Where the arguments are described: in the C file of each. */
+int64_t srt_panel_width(void);
+int srt_kernel_is_fast(void);
+void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
+                          int64_t n_dim, float *y);
+int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
+                          const float *weights, int64_t topk, int64_t start, int64_t num_experts,
+                          int64_t inter, const float *w13, const float *w2, float *out,
+                          float *work);
+void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
+                      const float *residual, float *sum_out, const float *weight, float eps,
+                      float *out);
+int srt_decode_attention_f32(const float *q, int64_t batch, int64_t heads, int64_t dim,
+                             const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                             int64_t v_dim, int64_t kv_heads, const int64_t *table,
+                             int64_t table_ld, int64_t table_rows, int64_t table_cols,
+                             int64_t num_slots, const int64_t *rows, const int64_t *lens,
+                             float scale, float *out);
+int srt_extend_attention_f32(const float *q, int64_t tokens, int64_t batch, int64_t heads,
+                             int64_t dim, const float *k, int64_t k_stride, const float *v,
+                             int64_t v_stride, int64_t v_dim, int64_t kv_heads,
+                             const int64_t *table, int64_t table_ld, int64_t table_rows,
+                             int64_t table_cols, int64_t num_slots, const int64_t *rows,
+                             const int64_t *prefix, const int64_t *extend, const int64_t *start,
+                             float scale, float *out);
+int srt_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t ld_token,
+                 int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
+                 int64_t rows, int neox, float *out);
+
+/* The exported functions' error codes (their Python callers raise on them). */
+#define SRT_OUT_OF_MEMORY (-1) /* a buffer of the kernel's own could not be allocated */
+#define SRT_BAD_ROW (-2)       /* a sequence's row outside the request-to-token table */
+#define SRT_BAD_LENGTH (-3)    /* a sequence longer than its row (or, decode, empty) */
+#define SRT_BAD_SLOT (-4)      /* a slot outside the KV cache */
+#define SRT_BAD_QUERY (-5)     /* extend: a sequence's query rows outside q */
+#define SRT_BAD_POSITION (-6)  /* rope: a position outside the cos/sin table */
+
+/* The request-to-token table as the attention kernels read it: `rows` × `cols` slots, row r at
+ * table + r · ld, every slot below `slots` (the KV cache's size). */
+struct slot_table {
+    const int64_t *table;
+    int64_t ld, rows, cols, slots;
+};
+
+/* Whether a sequence's row and its first `len` slots lie inside the table and the cache. */
+static inline int check_sequence(const struct slot_table *t, int64_t row, int64_t len) {
+    if (row < 0 || row >= t->rows) return SRT_BAD_ROW;
+    if (len < 0 || len > t->cols) return SRT_BAD_LENGTH;
+    const int64_t *slots = t->table + row * t->ld;
+    for (int64_t j = 0; j < len; j++)
+        if (slots[j] < 0 || slots[j] >= t->slots) return SRT_BAD_SLOT;
+    return 0;
+}
+
+/* A vector is one register: 16 floats with AVX-512, else 8 (AVX2, NEON pairs...). */
+#ifdef __AVX512F__
+#define VEC 16
+#else
+#define VEC 8
+#endif
+
+typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
+
+static inline vec load_vec(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* acc + s·w as one fused multiply-add, always: left to the compiler, `acc += s * w` is fused in
+ * some inlined copies of a loop and not in others (seen with AVX2 for a narrow panel's partial
+ * row blocks), and a row's result would then depend on the block it was computed in. */
+static inline vec fma_vec(vec acc, float s, vec w) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)w, (__m512)acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)w, (__m256)acc);
+#else
+    return acc + s * w;
+#endif
+}
+
+/* The sum of a vector's lanes, in a fixed order: halves added pairwise (shuffles on x86). */
+static inline float sum_lanes(vec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+    float lanes[VEC], sum = 0.0f;
+    memcpy(lanes, &v, sizeof lanes);
+    for (int q = 0; q < VEC; q++) sum += lanes[q];
+    return sum;
+#endif
+}
+
+/* e^v for v in [-87, 88] (clamped outside): range reduction to 2^m · e^r with |r| ≤ ln2/2 and
+ * a degree-6 Taylor polynomial (relative error about 1e-7), written so that loops calling it
+ * vectorize: libm's scalar expf would cost as much as the GEMMs around it. */
+static inline float fast_exp(float v) {
+    v = v < 88.0f ? v : 88.0f;
+    v = v > -87.0f ? v : -87.0f;
+    float m = (v * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = v - m * 0.693359375f + m * 2.12194440e-4f;       /* v - m·ln2, two parts */
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (
+                  1.0f / 120 + r * (1.0f / 720))))));
+    int32_t bits = ((int32_t)m + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif

@@ -1,0 +1,361 @@
+"""The CPU kernels as torch ops: ``srt::panel_linear``, ``srt::fused_experts``,
+``srt::rms_norm``, ``srt::fused_add_rms_norm``, ``srt::decode_attention``,
+``srt::extend_attention`` and ``srt::rope``.
+
+Each op is registered with ``torch.library.custom_op`` (a schema, a name in the profiler, a
+fake implementation that ``torch.compile`` traces with) and its implementation checks its
+arguments (``checks.py``) before calling the C code. The module's functions are what the layers
+call. They go through torch's dispatcher where something watches the call: while
+``torch.compile`` traces, and while the profiler records. Elsewhere they call the same checked
+implementation directly: the dispatcher's round trip into Python costs 10-25 µs a call on this
+project's CPUs (measured with a no-op custom op), against a decode step's 10 or so kernel calls
+per layer of a few µs to a few hundred each.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from srt.layers.cpu_kernels import checks
+from srt.layers.cpu_kernels.build import load_library
+
+# Per thread, the experts kernel's work buffer, grown as needed and kept (see cpu_kernels.c).
+_work = threading.local()
+
+
+def _lib():
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (see srt.layers.cpu_kernels)")
+    return lib
+
+
+def panel_width() -> int:
+    """P, the number of output columns in one panel of a packed weight."""
+    return _lib().panel_width
+
+
+def _observed() -> bool:
+    """Whether a call should go through torch's dispatcher (see the module docstring)."""
+    return torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
+
+
+def _status(op: str, status: int) -> None:
+    if status:
+        raise checks.index_error(op, status)
+
+
+def _op(name: str, impl: Callable, fake: Callable):
+    """Registers ``srt::name`` (schema from impl's annotations) and returns its overload."""
+    torch.library.custom_op(f"srt::{name}", impl, mutates_args=(), device_types="cpu")
+    torch.library.register_fake(f"srt::{name}", fake)
+    return getattr(torch.ops.srt, name).default
+
+
+# --- panel_linear: x [n, K] · Wᵀ from W's panels -------------------------------------------
+
+
+def _panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    checks.check_panel_linear(x, panels, out_features, panel_width())
+    out = x.new_empty(x.shape[0], out_features)
+    _lib().srt_panel_linear_f32(
+        x.data_ptr(), x.shape[0], panels.shape[1], panels.data_ptr(), out_features, out.data_ptr()
+    )
+    return out
+
+
+def _panel_linear_fake(x, panels, out_features):
+    checks.check_panel_linear(x, panels, out_features, panels.shape[2])
+    return x.new_empty(x.shape[0], out_features)
+
+
+_panel_linear_op = _op("panel_linear", _panel_linear, _panel_linear_fake)
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int | None = None
+) -> torch.Tensor:
+    """``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels
+    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]``."""
+    args = (x.contiguous(), panels, out_features or panels.shape[0] * panels.shape[2])
+    return _panel_linear_op(*args) if _observed() else _panel_linear(*args)
+
+
+# --- fused_experts: Σ_k weight · expert(x) over this rank's experts ------------------------
+
+
+def _work_buffer(numel: int) -> torch.Tensor:
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _work.buffer = torch.empty(max(numel, 1), dtype=torch.float32)
+    return buffer
+
+
+def _fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    start: int,
+    w13_panels: torch.Tensor,
+    w2_panels: torch.Tensor,
+) -> torch.Tensor:
+    checks.check_fused_experts(
+        x, topk_weights, topk_ids, start, w13_panels, w2_panels, panel_width()
+    )
+    out = torch.empty_like(x)
+    num_experts, _, inter, _ = w2_panels.shape
+    work = _work_buffer(topk_ids.numel() * (x.shape[1] + inter))
+    status = _lib().srt_fused_experts_f32(
+        x.data_ptr(), x.shape[0], x.shape[1], topk_ids.data_ptr(), topk_weights.data_ptr(),
+        topk_ids.shape[1], start, num_experts, inter, w13_panels.data_ptr(),
+        w2_panels.data_ptr(), out.data_ptr(), work.data_ptr(),
+    )  # fmt: skip
+    _status("fused_experts", status)
+    return out
+
+
+def _fused_experts_fake(x, topk_weights, topk_ids, start, w13_panels, w2_panels):
+    width = w2_panels.shape[3]
+    checks.check_fused_experts(x, topk_weights, topk_ids, start, w13_panels, w2_panels, width)
+    return torch.empty_like(x)
+
+
+_fused_experts_op = _op("fused_experts", _fused_experts, _fused_experts_fake)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    start: int,
+    w13_panels: torch.Tensor,
+    w2_panels: torch.Tensor,
+) -> torch.Tensor:
+    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]``;
+    ids outside that range (other ranks' experts, or -1) add nothing."""
+    args = (
+        hidden_states.contiguous(),
+        topk_weights.to(torch.float32).contiguous(),
+        topk_ids.to(torch.int64).contiguous(),
+        start,
+        w13_panels,
+        w2_panels,
+    )
+    return _fused_experts_op(*args) if _observed() else _fused_experts(*args)
+
+
+# --- rms_norm and fused_add_rms_norm ---------------------------------------------------------
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [R, inner, dim] with contiguous rows of dim, each block of inner rows at a stride
+    (the heads of a split QKV output); anything more irregular is copied."""
+    dim = x.shape[-1]
+    lead = x.reshape(x.shape[0], -1, dim) if x.dim() > 1 else x.reshape(1, 1, dim)
+    return lead if lead.stride(2) == 1 and lead.stride(1) == dim else lead.contiguous()
+
+
+def _norm_into(x, residual, total, weight, eps, out) -> None:
+    lead = _rows(x)
+    _lib().srt_rms_norm_f32(
+        lead.data_ptr(), lead.shape[0] * lead.shape[1], lead.shape[1], lead.stride(0),
+        lead.shape[2], None if residual is None else residual.data_ptr(),
+        None if total is None else total.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+    )  # fmt: skip
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    checks.check_rms_norm(x, weight, eps, None)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _norm_into(x, None, None, weight, eps, out)
+    return out
+
+
+def _fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.check_rms_norm(x, weight, eps, residual)
+    out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    _norm_into(x, residual.contiguous(), total, weight, eps, out)
+    return out, total
+
+
+def _rms_norm_fake(x, weight, eps):
+    checks.check_rms_norm(x, weight, eps, None)
+    return torch.empty(x.shape, dtype=x.dtype)
+
+
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    checks.check_rms_norm(x, weight, eps, residual)
+    return torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+
+
+_rms_norm_op = _op("rms_norm", _rms_norm, _rms_norm_fake)
+_fused_add_rms_norm_op = _op("fused_add_rms_norm", _fused_add_rms_norm, _fused_add_rms_norm_fake)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF's RMSNorm over the last dimension of float32 ``x`` (``[..., dim]``): norm(x), or with
+    ``residual`` (norm(x + residual), x + residual). ``x`` may be a view whose rows of ``dim``
+    are not contiguous with each other (the heads of a split QKV output)."""
+    if residual is None:
+        return _rms_norm_op(x, weight, eps) if _observed() else _rms_norm(x, weight, eps)
+    args = (x, residual, weight, eps)
+    return _fused_add_rms_norm_op(*args) if _observed() else _fused_add_rms_norm(*args)
+
+
+# --- decode_attention and extend_attention over the paged KV cache ---------------------------
+
+
+def _cache_args(q, k_buf, v_buf, req_to_token) -> tuple:
+    """The C functions' arguments from q to num_slots (see csrc/cpu_attention.c)."""
+    _, kv_heads, v_dim = v_buf.shape
+    num_slots = min(k_buf.shape[0], v_buf.shape[0])
+    return (
+        q.data_ptr(), q.shape[1], q.shape[2], k_buf.data_ptr(), k_buf.stride(0),
+        v_buf.data_ptr(), v_buf.stride(0), v_dim, kv_heads, req_to_token.data_ptr(),
+        req_to_token.stride(0), *req_to_token.shape, num_slots,
+    )  # fmt: skip
+
+
+def _attention_out(q: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+    out = _attention_out(q, v_buf)
+    batch, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
+    status = _lib().srt_decode_attention_f32(
+        batch, q.shape[0], *cache, req_pool_indices.data_ptr(), seq_lens.data_ptr(), scale,
+        out.data_ptr(),
+    )  # fmt: skip
+    _status("decode_attention", status)
+    return out
+
+
+def _decode_attention_fake(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
+    checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+    return _attention_out(q, v_buf)
+
+
+_decode_attention_op = _op("decode_attention", _decode_attention, _decode_attention_fake)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per sequence, ``q [B, H, D]``, over its ``seq_lens[b]`` (≥ 1) cached
+    tokens, read in place: keys ``k_buf [slots, Hk, D]``, values ``v_buf [slots, Hk, Dv]`` (a
+    view of the keys' first columns is fine: MLA), the slots in row ``req_pool_indices[b]`` of
+    ``req_to_token``. Returns ``[B, H, Dv]``."""
+    args = (
+        q.contiguous(), k_buf, v_buf, req_to_token,
+        req_pool_indices.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(),
+        scale,
+    )  # fmt: skip
+    return _decode_attention_op(*args) if _observed() else _decode_attention(*args)
+
+
+def _extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
+    out = _attention_out(q, v_buf)
+    tokens, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
+    status = _lib().srt_extend_attention_f32(
+        tokens, q.shape[0], seqs.shape[1], *cache, *(seqs[i].data_ptr() for i in range(4)),
+        scale, out.data_ptr(),
+    )  # fmt: skip
+    _status("extend_attention", status)
+    return out
+
+
+def _extend_attention_fake(q, k_buf, v_buf, req_to_token, seqs, scale):
+    checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
+    return _attention_out(q, v_buf)
+
+
+_extend_attention_op = _op("extend_attention", _extend_attention, _extend_attention_fake)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' cached ones, read in place:
+    ``q [T, H, D]`` holds each sequence's new tokens in turn; ``seqs [4, B]`` (int64) holds, per
+    sequence, its row of ``req_to_token``, its cached prefix length, its number of new tokens
+    and its first row of ``q``. The new tokens' keys and values must already be in the cache
+    (``k_buf [slots, Hk, D]``, ``v_buf [slots, Hk, Dv]``). Returns ``[T, H, Dv]``."""
+    args = (q.contiguous(), k_buf, v_buf, req_to_token, seqs, scale)
+    return _extend_attention_op(*args) if _observed() else _extend_attention(*args)
+
+
+# --- rope --------------------------------------------------------------------------------------
+
+
+def _rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool
+) -> torch.Tensor:
+    checks.check_rope(x, positions, cos_sin)
+    tokens, heads, rot = x.shape
+    out = torch.empty(tokens, heads, rot, dtype=x.dtype)
+    status = _lib().srt_rope_f32(
+        x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), rot,
+        positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], int(neox), out.data_ptr(),
+    )  # fmt: skip
+    _status("rope", status)
+    return out
+
+
+def _rope_fake(x, positions, cos_sin, neox):
+    checks.check_rope(x, positions, cos_sin)
+    return torch.empty(x.shape, dtype=x.dtype)
+
+
+_rope_op = _op("rope", _rope, _rope_fake)
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool
+) -> torch.Tensor:
+    """Rotary embedding of float32 ``x [T, H, rot]`` (a view whose last dimension is
+    contiguous is read where it lies) at ``positions [T]`` (int64), from ``cos_sin [rows, rot]``
+    (per position, the cosines of the rot/2 frequencies, then their sines): a new
+    ``[T, H, rot]``. Raises ``PositionOutsideTable`` when a position lies outside the table."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    args = (x, positions, cos_sin, neox)
+    return _rope_op(*args) if _observed() else _rope(*args)

@@ -1,0 +1,22 @@
+"""The values srt's flags may take, in one place: ``ServerArgs`` passes them to argparse
+(``choices=``); ``srt.server_args_checks`` and the layers that receive a flag's value validate
+against them too (the offline ``Engine``'s keyword arguments bypass argparse). Also the flag
+constants that the layers share with ``ServerArgs``."""
+
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE_CHOICES = ["auto", "cpu", "cuda"]  # auto resolves to one of the others at start-up
+ATTENTION_BACKEND_CHOICES = ["auto", "triton", "torch_native"]
+SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
+LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
+MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
+DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
+OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "auto"]
+TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
+GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
+LOG_LEVEL_CHOICES = ["debug", "info", "warning", "error"]
+
+DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
+NO_DEEPEP = (
+    "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
+    "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
+)
