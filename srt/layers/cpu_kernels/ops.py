@@ -216,7 +216,8 @@ def rms_norm(
 
 
 def _cache_args(q, k_buf, v_buf, req_to_token) -> tuple:
-    """The C functions' arguments from q to num_slots (see csrc/cpu_attention.c)."""
+    """The C functions' arguments from heads to num_slots, after q's pointer (which comes
+    first) and the batch sizes (which the caller places after it)."""
     _, kv_heads, v_dim = v_buf.shape
     num_slots = min(k_buf.shape[0], v_buf.shape[0])
     return (
@@ -241,9 +242,9 @@ def _decode_attention(
 ) -> torch.Tensor:
     checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
     out = _attention_out(q, v_buf)
-    batch, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
+    q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
     status = _lib().srt_decode_attention_f32(
-        batch, q.shape[0], *cache, req_pool_indices.data_ptr(), seq_lens.data_ptr(), scale,
+        q_ptr, q.shape[0], *cache, req_pool_indices.data_ptr(), seq_lens.data_ptr(), scale,
         out.data_ptr(),
     )  # fmt: skip
     _status("decode_attention", status)
@@ -289,9 +290,9 @@ def _extend_attention(
 ) -> torch.Tensor:
     checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
     out = _attention_out(q, v_buf)
-    tokens, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
+    q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
     status = _lib().srt_extend_attention_f32(
-        tokens, q.shape[0], seqs.shape[1], *cache, *(seqs[i].data_ptr() for i in range(4)),
+        q_ptr, q.shape[0], seqs.shape[1], *cache, *(seqs[i].data_ptr() for i in range(4)),
         scale, out.data_ptr(),
     )  # fmt: skip
     _status("extend_attention", status)
