@@ -234,9 +234,11 @@ class ServerArgs:
         default=None,
         metadata=_arg(
             "overlap",
-            "off, tbo (two-batch overlap), sbo (single-batch overlap) or auto: each step runs "
-            "the one its measured cost predicts fastest (docs/overlap.md). Default: off, or "
-            "what --enable-two-batch-overlap / --enable-single-batch-overlap ask for.",
+            "off, tbo (two-batch overlap), sbo (single-batch overlap), dbo (dual-batch "
+            "overlap: micro-batch threads, docs/dual_batch_overlap.md) or auto: each step "
+            "runs the one of off / tbo / sbo its measured cost predicts fastest "
+            "(docs/overlap.md). Default: off, or what --enable-two-batch-overlap / "
+            "--enable-single-batch-overlap / --enable-dbo ask for.",
             choices=OVERLAP_MODE_CHOICES,
         ),
     )
@@ -279,6 +281,31 @@ class ServerArgs:
             "Inside one batch, launch the MoE combine block by block as the experts' "
             "down-projections finish, and run shared experts while the dispatch is in flight "
             "(--overlap-mode sbo). Needs --moe-a2a-backend torch (any --deepep-mode).",
+        ),
+    )
+    enable_dbo: bool = field(
+        default=False,
+        metadata=_arg(
+            "overlap",
+            "Dual-batch overlap (vLLM's): run the plain model forward once per micro-batch, "
+            "each in its own thread, handing over at yields inside the all-to-all "
+            "(--overlap-mode dbo). Needs --moe-a2a-backend torch with --tp-size > 1.",
+        ),
+    )
+    dbo_decode_token_threshold: int = field(
+        default=32,
+        metadata=_arg(
+            "overlap",
+            "Dual-batch overlap: decode batches under this many tokens run unsplit (under DP "
+            "attention: if any group's batch does, none splits).",
+        ),
+    )
+    dbo_prefill_token_threshold: int = field(
+        default=512,
+        metadata=_arg(
+            "overlap",
+            "Dual-batch overlap: batches with a prefill under this many tokens run unsplit "
+            "(under DP attention: if any group's batch does, none splits).",
         ),
     )
     sbo_num_blocks: int | None = field(

@@ -168,17 +168,19 @@ def check_overlap(args: ServerArgs) -> None:
             "--moe-a2a-backend torch (with --tp-size > 1), or --enable-dp-attention"
         )
     _check_single_batch_overlap(args)
+    _check_dual_batch_overlap(args)
 
 
 def _resolve_overlap_mode(args: ServerArgs) -> None:
-    """--overlap-mode from itself or its two aliases; the aliases then mirror it. The TBO
+    """--overlap-mode from itself or its three aliases; the aliases then mirror it. The TBO
     thresholds default to 32 / 512 under tbo and to 0 (none) under auto."""
     asked = [mode for mode, on in (("tbo", args.enable_two_batch_overlap),
-                                   ("sbo", args.enable_single_batch_overlap)) if on]  # fmt: skip
+                                   ("sbo", args.enable_single_batch_overlap),
+                                   ("dbo", args.enable_dbo)) if on]  # fmt: skip
     if len(asked) > 1:
         raise ValueError(
-            "--enable-single-batch-overlap and --enable-two-batch-overlap exclude each "
-            "other: choose one (or --overlap-mode auto, which picks per step)"
+            f"{' and '.join(_ALIASES[m] for m in asked)} exclude each other: choose one (or "
+            "--overlap-mode auto, which picks per step)"
         )
     if args.overlap_mode is None:
         args.overlap_mode = asked[0] if asked else "off"
@@ -187,16 +189,35 @@ def _resolve_overlap_mode(args: ServerArgs) -> None:
             f"--overlap-mode {args.overlap_mode!r}: must be one of {OVERLAP_MODE_CHOICES}"
         )
     if asked and asked[0] != args.overlap_mode:
-        alias = "--enable-two-batch-overlap" if asked[0] == "tbo" else (
-            "--enable-single-batch-overlap")  # fmt: skip
-        raise ValueError(f"--overlap-mode {args.overlap_mode} and {alias}: choose one")
+        raise ValueError(f"--overlap-mode {args.overlap_mode} and {_ALIASES[asked[0]]}: choose one")
     args.enable_two_batch_overlap = args.overlap_mode == "tbo"
     args.enable_single_batch_overlap = args.overlap_mode == "sbo"
+    args.enable_dbo = args.overlap_mode == "dbo"
     auto = args.overlap_mode == "auto"
     if args.tbo_decode_token_threshold is None:
         args.tbo_decode_token_threshold = 0 if auto else 32
     if args.tbo_prefill_token_threshold is None:
         args.tbo_prefill_token_threshold = 0 if auto else 512
+
+
+_ALIASES = {
+    "tbo": "--enable-two-batch-overlap",
+    "sbo": "--enable-single-batch-overlap",
+    "dbo": "--enable-dbo",
+}
+
+
+def _check_dual_batch_overlap(args: ServerArgs) -> None:
+    for flag in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be ≥ 0")
+    if args.overlap_mode != "dbo":
+        return
+    if args.moe_a2a_backend != "torch" or args.tp_size < 2:
+        raise ValueError(
+            "--enable-dbo needs an all-to-all between ranks, where its micro-batches hand over: "
+            "set --moe-a2a-backend torch and --tp-size > 1"
+        )
 
 
 def _check_single_batch_overlap(args: ServerArgs) -> None:

@@ -4,10 +4,10 @@ Needs root and ``ip netns``.
 
 For each link rate it builds the cluster, prints a link self-test (TCP throughput per
 direction), then, with one rank per node pinned to its own core (``taskset``):
-- ``bench_one_batch.py --compare-overlap`` on every node (``--nnodes/--node-rank``), once for
-  two-batch overlap and once for single-batch overlap: step latency off and on, prefill and
+- ``bench_one_batch.py --compare-overlap`` on every node (``--nnodes/--node-rank``), once each
+  for two-batch, single-batch and dual-batch overlap: step latency off and on, prefill and
   decode, in one run each, and the share of the all-to-all time hidden;
-- the serving phase (``emulated_serving.py``): a server per overlap mode (off, TBO, SBO,
+- the serving phase (``emulated_serving.py``): a server per overlap mode (off, TBO, SBO, DBO,
   ``--overlap-mode auto``, or those of ``--serving-modes``) on every node, all up at once, and
   ``bench_serving.py`` bursts from inside node 0's namespace sent to them in turn: one warm-up
   burst each, then ``--serving-runs`` rounds of one burst per mode, the order reversed every
@@ -21,10 +21,11 @@ Results: ``OUT/results.jsonl``, ``OUT/results.md``, ``OUT/throughput.png``, ``OU
 
 ``--quick`` runs the 2-node point at the first rate with one repeat and one batch size, and
 ends with ``summary: tbo_decode_speedup=… tbo_prefill_speedup=… sbo_decode_speedup=…
-hidden_fraction=… serving_auto_vs_off=… serving_auto_vs_best=…`` (throughput ratios over
-overlap off in the same run; the hidden fraction is TBO's, prefill and decode together:
-(T_off − T_on) / T_comm; the serving ratios are output tok/s of auto over off and over the best
-of off, TBO and SBO, those of them served, without ``--no-serving``).
+dbo_decode_speedup=… dbo_prefill_speedup=… hidden_fraction=… serving_auto_vs_off=…
+serving_auto_vs_best=… serving_dbo_vs_off=…`` (throughput ratios over overlap off in the same
+run; the hidden fraction is TBO's, prefill and decode together: (T_off − T_on) / T_comm; the
+serving ratios are output tok/s of auto over off and over the best of off, TBO and SBO, and of
+DBO over off, those of them served, without ``--no-serving``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,12 @@ OVERLAP_FLAGS = {
     "tbo": ["--enable-two-batch-overlap", "--tbo-decode-token-threshold", "0",
             "--tbo-prefill-token-threshold", "0"],
     "sbo": ["--enable-single-batch-overlap"],
+    "dbo": ["--enable-dbo", "--dbo-decode-token-threshold", "0",
+            "--dbo-prefill-token-threshold", "0"],
 }  # fmt: skip
+
+
+OVERLAP_MODES = ("tbo", "sbo", "dbo")
 
 
 def add_srt_args(p: argparse.ArgumentParser) -> None:
@@ -150,7 +156,7 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -
 
 
 def run_one_batch(args, cluster, mode: str, out: Path, tag: str) -> list[dict]:
-    """bench_one_batch --compare-overlap for ``mode`` (tbo / sbo) on every node."""
+    """bench_one_batch --compare-overlap for ``mode`` (tbo / sbo / dbo) on every node."""
     result = out / f"one_batch_{tag}_{mode}.jsonl"
     result.unlink(missing_ok=True)
     procs, logs = [], []
@@ -177,7 +183,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
     with create_cluster(args.nodes, shaped, burst=args.burst, latency=args.latency) as cluster:
         print(f"== {cluster.describe()}", flush=True)
         print(format_selftest(cluster, link_selftest(cluster)), flush=True)
-        for mode in ("tbo", "sbo"):
+        for mode in OVERLAP_MODES:
             point[mode] = run_one_batch(args, cluster, mode, out, tag)
             for row in point[mode]:
                 if row["variant"].endswith("_on"):
@@ -204,6 +210,7 @@ def _pair(rows: list[dict], batch: int) -> tuple[dict, dict]:
 
 def summary_line(point: dict, batch: int) -> str:
     (t_off, t_on), (_, s_on) = _pair(point["tbo"], batch), _pair(point["sbo"], batch)
+    _, d_on = _pair(point["dbo"], batch)
     keys = ("prefill_latency", "median_decode_latency")
     saved = sum(t_off[k] - t_on[k] for k in keys)
     comm = t_off["prefill_comm_seconds"] + t_off["decode_comm_seconds"]
@@ -211,10 +218,23 @@ def summary_line(point: dict, batch: int) -> str:
         f"summary: tbo_decode_speedup={t_on['decode_speedup']:.3f} "
         f"tbo_prefill_speedup={t_on['prefill_speedup']:.3f} "
         f"sbo_decode_speedup={s_on['decode_speedup']:.3f} "
+        f"dbo_decode_speedup={d_on['decode_speedup']:.3f} "
+        f"dbo_prefill_speedup={d_on['prefill_speedup']:.3f} "
         f"hidden_fraction={saved / comm if comm else float('nan'):.3f}"
     )
-    ratios = serving_auto_ratios(point.get("serving", {}))
+    serving = point.get("serving", {})
+    ratios = serving_auto_ratios(serving) | serving_dbo_ratio(serving)
     return " ".join([line, *(f"{key}={value:.3f}" for key, value in ratios.items())])
+
+
+def serving_dbo_ratio(serving: dict) -> dict[str, float]:
+    """DBO's output tok/s over off's, where both were served."""
+    if "dbo" not in serving or "off" not in serving:
+        return {}
+    return {
+        "serving_dbo_vs_off": serving["dbo"]["output_throughput"]
+        / serving["off"]["output_throughput"]
+    }
 
 
 def serving_auto_ratios(serving: dict) -> dict[str, float]:

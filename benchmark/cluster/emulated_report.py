@@ -11,9 +11,9 @@ from benchmark.cluster.emulated_network import parse_rate
 
 def _rows(point: dict) -> list[tuple]:
     """(mode, batch, prefill tokens, off / on prefill ms, off / on decode ms, speed-ups,
-    hidden fractions) for TBO and SBO."""
+    hidden fractions) for TBO, SBO and DBO."""
     rows = []
-    for mode in ("tbo", "sbo"):
+    for mode in ("tbo", "sbo", "dbo"):
         runs = point.get(mode, [])
         for on in (r for r in runs if r["variant"].endswith("_on")):
             off = next(
@@ -87,7 +87,13 @@ def plot(points: list[dict], out: Path) -> None:
     fig.savefig(out / "step_time.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, key in (("off", "off"), ("TBO", "tbo"), ("SBO", "sbo"), ("auto", "auto")):
+    for mode, key in (
+        ("off", "off"),
+        ("TBO", "tbo"),
+        ("SBO", "sbo"),
+        ("DBO", "dbo"),
+        ("auto", "auto"),
+    ):
         ys = [p.get("serving", {}).get(key, {}).get("output_throughput") for p in shaped]
         if all(y is not None for y in ys):
             ax.plot(xs, ys, "o-", label=mode)

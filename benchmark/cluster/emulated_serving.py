@@ -1,4 +1,4 @@
-"""The emulated cluster's serving phase: one server per overlap mode (off, TBO, SBO, auto; or
+"""The emulated cluster's serving phase: one server per overlap mode (off, TBO, SBO, DBO, auto; or
 those of ``--serving-modes``), all up at once, and bursts sent to them in turn.
 
 A fresh server is started for every mode on every node (``launch_server``, one rank per node
@@ -29,6 +29,7 @@ SERVING_FLAGS = {
     "off": [],
     "tbo": ["--enable-two-batch-overlap"],
     "sbo": ["--enable-single-batch-overlap"],
+    "dbo": ["--enable-dbo"],
     "auto": ["--overlap-mode", "auto"],
 }
 

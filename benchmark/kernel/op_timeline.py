@@ -4,7 +4,8 @@ layer's stages (matplotlib), plus the all-to-all time of a step.
 
 An all-to-all is "in flight" from the start of its launch operation (``dispatch_a`` /
 ``combine_a``) to the end of its wait (``dispatch_b`` / ``combine_b``); under two-batch overlap
-the other micro-batch's operations run in between.
+the other micro-batch's operations run in between (under dual-batch overlap, inside the wait:
+the thread yields there).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from srt.batch_overlap.operations import OpEvent
 
-ROWS = {"plain": 1, "A": 1, "B": 2}
+# Two-batch overlap's micro-batches are A and B, dual-batch overlap's threads u0 and u1.
+ROWS = {"plain": 1, "A": 1, "B": 2, "u0": 1, "u1": 2}
 COMM_ROW = 3
 PAIRS = (("dispatch_a", "dispatch_b", "dispatch"), ("combine_a", "combine_b", "combine"))
 
@@ -139,7 +141,7 @@ def plot_layer(path: Path, steps: dict[str, list[OpEvent]], layer_id: int) -> No
             if ms(e.end) - ms(e.start) > 0.02 * (ms(max(x.end for x in layer))):
                 ax.text(ms(e.start), y + 0.5, e.name, fontsize=6, va="center")
         for track, what, _, start, end in comm_intervals(layer):
-            y = -1 + (0.45 if track == "B" else 0)
+            y = -1 + (0.45 if ROWS[track] == 2 else 0)
             ax.broken_barh(
                 [(ms(start), ms(end) - ms(start))],
                 (y + 0.05, 0.4),

@@ -197,8 +197,9 @@ def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
     if args.profile and (missing := matplotlib_missing()):
         parser.error(missing)
     if args.compare_overlap and args.overlap_mode in ("off", "auto"):
-        parser.error("--compare-overlap compares off with one fixed mode: tbo or sbo")
-    if args.compare_overlap and args.overlap_mode is None and not args.enable_single_batch_overlap:
+        parser.error("--compare-overlap compares off with one fixed mode: tbo, sbo or dbo")
+    asked = args.enable_single_batch_overlap or args.enable_dbo
+    if args.compare_overlap and args.overlap_mode is None and not asked:
         args.enable_two_batch_overlap = True  # validated for this layout by ServerArgs
     if args.compare_hf and args.tp_size > 1:
         parser.error("--compare-hf runs on one rank (--tp-size 1)")
@@ -215,6 +216,7 @@ def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, Se
         overlap_mode="off",
         enable_two_batch_overlap=False,
         enable_single_batch_overlap=False,
+        enable_dbo=False,
         sbo_num_blocks=None,
         sbo_communication_sms=None,
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from srt.batch_overlap.ubatching import current_context
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 Operation = Callable[["LayerState"], None]
@@ -138,7 +139,7 @@ class OperationObserver:
 
 @dataclass(frozen=True)
 class OpEvent:
-    track: str  # "plain", or "A" / "B" for the micro-batches of two-batch overlap
+    track: str  # "plain"; "A" / "B": two-batch overlap's micro-batches; "u0" / "u1": DBO's
     layer_id: int | None
     name: str
     start: float  # time.perf_counter() seconds
@@ -174,9 +175,11 @@ def execute_operations(
     operations: Sequence[OperationItem],
     observer: OperationObserver | None = None,
 ) -> None:
-    """The plain path: every operation once, in order; yields are ignored."""
+    """The plain path: every operation once, in order; yields are ignored. In a dual-batch
+    overlap thread the timeline's track is its micro-batch's."""
     ops = [op for op in operations if not isinstance(op, YieldOperation)]
-    _run_stage(ops, state, observer, "plain")
+    ctx = current_context()
+    _run_stage(ops, state, observer, "plain" if ctx is None else ctx.track)
 
 
 def execute_overlapped_operations(

@@ -111,15 +111,18 @@ class OperationsStrategy:
 
 
 def layer_operations(
-    layer: MoEDecoderLayer, forward_mode: ForwardMode, sbo: bool = False
+    layer: MoEDecoderLayer, forward_mode: ForwardMode, sbo: bool = False, dbo: bool = False
 ) -> OperationsStrategy:
-    """``sbo``: single-batch overlap's placement of the shared experts, between
-    ``dispatch_a`` and ``dispatch_b``; for the plain path only."""
+    """For the plain path only: ``sbo``, single-batch overlap's placement of the shared
+    experts, between ``dispatch_a`` and ``dispatch_b``; ``dbo``, dual-batch overlap's (vLLM's
+    schedule), between ``combine_a`` and ``combine_b``, where the combine's yield follows
+    them."""
     family = layer.operations_family if layer.is_moe else DENSE
     names, delta = family.for_mode(forward_mode)
-    if sbo and layer.has_shared_experts:
+    if (sbo or dbo) and layer.has_shared_experts:
         names = [n for n in names if n != "shared_experts"]
-        names.insert(names.index("dispatch_a") + 1, "shared_experts")
+        after = "dispatch_a" if sbo else "combine_a"
+        names.insert(names.index(after) + 1, "shared_experts")
     ops: list[OperationItem] = []
     for name in names:
         if isinstance(name, YieldOperation):

@@ -1,7 +1,7 @@
 """StepOverlap: which overlap each step runs, for the ModelRunner.
 
-A fixed ``--overlap-mode`` runs its mode on every step (TBO only where the batch splits: below
-the thresholds, or where a DP group cannot split, the step runs unsplit). Under ``auto`` an
+A fixed ``--overlap-mode`` runs its mode on every step (TBO and DBO only where the batch splits:
+below the thresholds, or where a DP group cannot split, the step runs unsplit). Under ``auto`` an
 ``OverlapPolicy`` chooses per step; every rank must choose the same (the modes issue different
 collectives), so the policy is fed the same numbers on every rank: the step's kind and tokens
 as the MLP sync agreed them, and each step's time and all-to-all time, maxed over the ranks.
@@ -63,7 +63,7 @@ class StepOverlap:
         ranks (auto). Sets ``mode`` and returns it."""
         if self.policy is None:
             fixed = self.overlap_mode
-            self.mode = "off" if fixed == "tbo" and not can_run_tbo else fixed
+            self.mode = "off" if fixed in ("tbo", "dbo") and not can_run_tbo else fixed
             return self.mode
         if self._step is not None and shared:
             seconds, comm = (value / _US for value in shared)

@@ -215,6 +215,7 @@ def _child(
         is_extend_in_batch=parent.is_extend_in_batch,
         tbo_subbatch_index=index,
         tbo_parent_token_range=(t0, t1),
+        dbo=parent.dbo,
     )
     if parent.forward_mode.is_extend() and t1 > t0:
         prefix = list(parent.extend_prefix_lens_cpu[s0:s1])

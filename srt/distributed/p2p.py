@@ -22,11 +22,16 @@ from torch.distributed import ProcessGroup
 
 
 class PendingWork:
+    """Works in flight. ``wait`` may be called more than once (dual-batch overlap's receive
+    hook waits before the owner does): a gloo receive waited twice would wait for a second
+    message, so each work is waited once."""
+
     def __init__(self, works: list) -> None:
         self.works = works
 
     def wait(self) -> None:
-        for work in self.works:
+        works, self.works = self.works, []
+        for work in works:
             work.wait()
 
 

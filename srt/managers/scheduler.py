@@ -383,10 +383,16 @@ class Scheduler:
         return info
 
     def _overlap_step_counts(self) -> dict:
-        """Forwards run with and without two-batch overlap, and with single-batch overlap, by
-        local forward mode."""
+        """Forwards run with and without two-batch overlap, and with single-batch and dual-batch
+        overlap, by local forward mode (a DBO step counts as a non-TBO one too)."""
         counts = getattr(self.model_runner, "forward_step_counts", {})
-        out = {"num_tbo_steps": {}, "num_non_tbo_steps": {}, "num_sbo_steps": {}}
+        dbo = dict(getattr(self.model_runner, "dbo_step_counts", {}))
+        out = {
+            "num_tbo_steps": {},
+            "num_non_tbo_steps": {},
+            "num_sbo_steps": {},
+            "num_dbo_steps": dbo,
+        }
         for (tbo, sbo, mode), n in sorted(counts.items()):
             by_tbo = out["num_tbo_steps" if tbo else "num_non_tbo_steps"]
             by_tbo[mode] = by_tbo.get(mode, 0) + n

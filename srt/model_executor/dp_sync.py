@@ -2,7 +2,8 @@
 :class:`SyncRow` describing its batch (or its lack of one), and from the rows every rank derives
 the same :class:`DpSyncInfo`: per-group token counts, the global forward mode, the padding mode
 and length of the gathered buffer, and the two-batch-overlap decision, unanimous by
-construction (:func:`agree_two_batch_overlap`). ``ModelRunner.forward_step`` runs it; a rank
+construction (:func:`agree_two_batch_overlap`, or under dual-batch overlap vLLM's uniform rule,
+``agree_dual_batch_overlap``). ``ModelRunner.forward_step`` runs it; a rank
 whose group has no batch while others have one then runs an IDLE forward so the MoE and LM-head
 collectives line up. It belongs to the step, not to the scheduler: the rows carry the step's
 TBO plan and overlap measurement, and the CUDA-graph capture syncs its dummy batches the same
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from srt.batch_overlap.dual_batch_overlap import agree_dual_batch_overlap, place_split
 from srt.distributed.communication_op import all_gather_ints
 from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len
 from srt.layers.logits_processor import num_logit_rows
@@ -61,6 +63,7 @@ class DpSyncInfo:
     global_dp_buffer_len: int
     can_run_tbo: bool = False
     tbo_split_tokens: list[int] | None = None  # per group, its first micro-batch's tokens
+    dbo_split_token: int | None = None  # dual-batch overlap: every group's split token
     max_extra: list[int] | None = None  # the elementwise max over ranks of their ``extra``
 
     @property
@@ -76,8 +79,9 @@ def agree_two_batch_overlap(rows: list[tuple[ForwardMode, bool]]) -> bool:
     return bool(busy) and all(can for _, can in busy) and len({m for m, _ in busy}) == 1
 
 
-def dp_sync_info(group_rows: list[SyncRow], attn_tp_size: int) -> DpSyncInfo:
-    """The agreement from one row per attention-DP group."""
+def dp_sync_info(group_rows: list[SyncRow], attn_tp_size: int, dbo: bool = False) -> DpSyncInfo:
+    """The agreement from one row per attention-DP group (``dbo``: the split rule is dual-batch
+    overlap's)."""
     rows = [SyncRow(*row) for row in group_rows]
     tokens = [row.num_tokens for row in rows]
     is_extend = any(row.is_extend for row in rows)
@@ -88,9 +92,16 @@ def dp_sync_info(group_rows: list[SyncRow], attn_tp_size: int) -> DpSyncInfo:
     else:
         mode = ForwardMode.DECODE
     padding = DpPaddingMode.choose(is_extend, tokens)
-    tbo = agree_two_batch_overlap(
-        [(ForwardMode(row.forward_mode), bool(row.can_run_tbo)) for row in rows]
-    )
+    dbo_split = None
+    if dbo:
+        proposals = [(row.num_tokens, bool(row.can_run_tbo)) for row in rows]
+        dbo_split = agree_dual_batch_overlap(proposals)
+        tbo, splits = dbo_split is not None, [dbo_split or 0] * len(rows)
+    else:
+        tbo = agree_two_batch_overlap(
+            [(ForwardMode(row.forward_mode), bool(row.can_run_tbo)) for row in rows]
+        )
+        splits = [row.tbo_split_token_index for row in rows]
     return DpSyncInfo(
         tokens,
         [row.num_logit_rows for row in rows],
@@ -99,12 +110,16 @@ def dp_sync_info(group_rows: list[SyncRow], attn_tp_size: int) -> DpSyncInfo:
         padding,
         dp_buffer_len(padding, tokens, attn_tp_size),
         tbo,
-        [row.tbo_split_token_index for row in rows] if tbo else None,
+        splits if tbo else None,
+        dbo_split,
     )
 
 
 def sync_dp_batch(
-    parallel: ParallelState, forward_batch: ForwardBatch | None, extra: Sequence[int] = ()
+    parallel: ParallelState,
+    forward_batch: ForwardBatch | None,
+    extra: Sequence[int] = (),
+    dbo: bool = False,
 ) -> DpSyncInfo:
     """The MLP sync: one small all-gather over the world's gloo group. Every rank calls it every
     step, ``forward_batch`` None when its group has no batch. The ranks of an attention-TP group
@@ -121,7 +136,7 @@ def sync_dp_batch(
                 f"DP sync: rank {rank} brings batch {row} but its attention-TP group's first "
                 f"rank brings {groups[rank // size]}; the ranks of a group run one batch"
             )
-    info = dp_sync_info(groups, size)
+    info = dp_sync_info(groups, size, dbo)
     if extra:
         info.max_extra = [max(column) for column in zip(*(row[width:] for row in gathered))]
     return info
@@ -138,3 +153,5 @@ def apply_dp_sync(forward_batch: ForwardBatch, info: DpSyncInfo) -> None:
     forward_batch.global_tbo_split_tokens_cpu = info.tbo_split_tokens
     if forward_batch.forward_mode.is_idle() and info.can_run_tbo:
         forward_batch.tbo_split_seq_index = forward_batch.tbo_split_token_index = 0
+    elif info.dbo_split_token is not None:
+        place_split(forward_batch, info.dbo_split_token)

@@ -98,6 +98,9 @@ class ForwardBatch:
     tbo_parent_token_range: tuple[int, int] | None = None
     # Single-batch overlap this step (``ModelRunner``: the same on every rank, idle ones too).
     sbo: bool = False
+    # Dual-batch overlap this step: the children run in threads (``srt.batch_overlap.ubatching``)
+    # with the plain forward, not interleaved by the operation lists; set on them too.
+    dbo: bool = False
 
     @classmethod
     def idle(

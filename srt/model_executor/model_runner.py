@@ -24,6 +24,7 @@ from collections import Counter
 import torch
 
 from srt.batch_overlap.calibration import calibrate
+from srt.batch_overlap.dual_batch_overlap import DboConfig, plan_dual_batch_overlap
 from srt.batch_overlap.operations import OperationObserver
 from srt.batch_overlap.step_overlap import StepOverlap
 from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
@@ -48,6 +49,8 @@ from srt.utils.process import keep_heap_pages
 from srt.utils.sync_guard import forbid_host_sync
 
 logger = logging.getLogger(__name__)
+
+SPLIT = ("tbo", "dbo")  # the overlaps that run a step as two micro-batches
 
 
 def available_memory_bytes(device: str) -> int:
@@ -98,13 +101,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_heap_pages()  # activations reuse pages instead of faulting in fresh ones
         self.tbo_config = TboConfig.from_server_args(server_args)
+        self.dbo_config = DboConfig.from_server_args(server_args)
         self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
         weights = DecodeWeights.of(self.model)
         self.weight_bytes = weights.dense_bytes + weights.expert_bytes
         self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
-        # forwards run, by (split in two micro-batches?, single-batch overlap?, local mode)
+        # forwards run, by (two-batch overlap?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
+        self.dbo_step_counts: Counter[str] = Counter()  # dual-batch overlap steps, by mode
         self.step_overlap = StepOverlap(
             server_args.overlap_mode, server_args.overlap_modes, self.model.comm_meter, self.device
         )
@@ -131,13 +136,14 @@ class ModelRunner:
         else:
             in_kernels = self.device.type == "cpu" and cpu_kernels.available()
             create = lambda: TorchNativeAttnBackend(in_kernels)
-        self.attn_backend = (
-            TboAttnBackend.init_new(
+        if self.dbo_config.enabled:  # the children attend, never the whole batch
+            self.attn_backend = TboAttnBackend.init_new(create, parent_attends_when_split=False)
+        elif self.tbo_config.enabled:
+            self.attn_backend = TboAttnBackend.init_new(
                 create, parent_attends_when_split=self.model.model.tbo_start_layer > 0
             )
-            if self.tbo_config.enabled
-            else create()
-        )
+        else:
+            self.attn_backend = create()
 
     def _can_capture_graphs(self) -> bool:
         """CUDA graphs for decode: on CUDA, unless disabled, where a decode step's inputs can
@@ -148,6 +154,7 @@ class ModelRunner:
         why_not = [
             (not self.attn_backend.static_decode_metadata, "--attention-backend torch_native"),
             (self.step_overlap.policy is not None, "--overlap-mode auto"),
+            (self.dbo_config.enabled, "--enable-dbo (its steps run eagerly)"),
             (
                 sa.moe_a2a_backend == "torch" and sa.deepep_mode == "normal",
                 "--deepep-mode normal (its all-to-all sizes are host values: low_latency or "
@@ -165,7 +172,12 @@ class ModelRunner:
         self.model.model.operation_observer = observer
 
     def plan_two_batch_overlap(self, forward_batch: ForwardBatch) -> None:
-        plan_two_batch_overlap(forward_batch, self.tbo_config)
+        """This rank's split proposal: dual-batch overlap's rule under --enable-dbo, else
+        two-batch overlap's."""
+        if self.dbo_config.enabled:
+            plan_dual_batch_overlap(forward_batch, self.dbo_config)
+        else:
+            plan_two_batch_overlap(forward_batch, self.tbo_config)
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
@@ -240,12 +252,14 @@ class ModelRunner:
                 return None
             shared = overlap.share(self.parallel)
             mode, tokens = forward_batch.forward_mode, forward_batch.num_tokens
-            if overlap.choose(mode, tokens, forward_batch.can_run_tbo, shared) != "tbo":
+            if overlap.choose(mode, tokens, forward_batch.can_run_tbo, shared) not in SPLIT:
                 forward_batch.can_run_tbo = False
             return self.forward(forward_batch)
-        info = self.last_dp_sync = sync_dp_batch(self.parallel, forward_batch, overlap.measurement)
+        info = self.last_dp_sync = sync_dp_batch(
+            self.parallel, forward_batch, overlap.measurement, self.dbo_config.enabled
+        )
         mode, tokens = info.global_forward_mode, max(info.global_num_tokens)
-        if overlap.choose(mode, tokens, info.can_run_tbo, info.max_extra) != "tbo":
+        if overlap.choose(mode, tokens, info.can_run_tbo, info.max_extra) not in SPLIT:
             info.can_run_tbo, info.tbo_split_tokens = False, None
         if forward_batch is not None:
             apply_dp_sync(forward_batch, info)
@@ -281,6 +295,7 @@ class ModelRunner:
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         forward_batch.sbo = self.step_overlap.mode == "sbo"
+        forward_batch.dbo = self.step_overlap.mode == "dbo" and forward_batch.can_run_tbo
         graphs = self.graph_runner
         if graphs is not None and not self.dp_attention and graphs.can_run(forward_batch):
             out = graphs.replay(forward_batch)
@@ -290,7 +305,10 @@ class ModelRunner:
             out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             self.step_overlap.finish()
         mode = forward_batch.forward_mode.name.lower()
-        self.forward_step_counts[(forward_batch.can_run_tbo, forward_batch.sbo, mode)] += 1
+        tbo = forward_batch.can_run_tbo and not forward_batch.dbo
+        self.forward_step_counts[(tbo, forward_batch.sbo, mode)] += 1
+        if forward_batch.dbo:
+            self.dbo_step_counts[mode] += 1
         return out
 
     def prepare_forward(self, forward_batch: ForwardBatch) -> None:

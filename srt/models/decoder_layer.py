@@ -20,6 +20,7 @@ from srt.batch_overlap.operations_strategy import (
     layer_operations,
 )
 from srt.batch_overlap.two_batch_overlap import run_layers_overlapped
+from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.communication_op import all_reduce
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
@@ -53,8 +54,8 @@ class MoEDecoderLayer(nn.Module):
         self.comm = ctx.communicator(
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
-        # built once per (mode, single-batch overlap?)
-        self._operations: dict[tuple[ForwardMode, bool], list[OperationItem]] = {}
+        # built once per (mode, single-batch overlap?, dual-batch overlap?)
+        self._operations: dict[tuple[ForwardMode, bool, bool], list[OperationItem]] = {}
 
     @property
     def is_moe(self) -> bool:
@@ -85,10 +86,12 @@ class MoEDecoderLayer(nn.Module):
             raise KeyError(f"layer {type(self).__name__} has no operation {name!r}")
         return op
 
-    def get_operations(self, forward_mode: ForwardMode, sbo: bool = False) -> list[OperationItem]:
-        key = (forward_mode, sbo)
+    def get_operations(
+        self, forward_mode: ForwardMode, sbo: bool = False, dbo: bool = False
+    ) -> list[OperationItem]:
+        key = (forward_mode, sbo, dbo)
         if key not in self._operations:
-            self._operations[key] = layer_operations(self, forward_mode, sbo).operations
+            self._operations[key] = layer_operations(self, forward_mode, sbo, dbo).operations
         return self._operations[key]
 
     def forward(
@@ -101,7 +104,7 @@ class MoEDecoderLayer(nn.Module):
     ):
         state = LayerState(batch, positions)
         state.put(hidden_states=hidden_states, residual=residual)
-        ops = self.get_operations(strategy_mode(batch), batch.sbo)
+        ops = self.get_operations(strategy_mode(batch), batch.sbo, batch.dbo)
         execute_operations(state, ops, observer)
         return state.take_outputs("hidden_states", "residual")
 
@@ -156,7 +159,8 @@ class MoECausalLM(nn.Module):
     """``model`` (MoEModel of ``layer_cls``) + LM head. Subclasses set ``layer_cls`` and
     ``weight_mapping``; parameter names follow the HF checkpoints. ``parallel``: this rank's
     groups (default: one rank, no torch.distributed); ``options``: the server flags that shape
-    the model (default: ModelOptions())."""
+    the model (default: ModelOptions()). ``ubatches`` runs ``model``, once per micro-batch in
+    threads on a dual-batch-overlap step; the LM head runs on the whole batch."""
 
     layer_cls: type[MoEDecoderLayer]
 
@@ -167,6 +171,7 @@ class MoECausalLM(nn.Module):
         self.config = config
         ctx = ModelContext(parallel, options)
         self.model = MoEModel(config, self.layer_cls, ctx)
+        self.ubatches = UBatchWrapper(self.model)
         self.lm_head, self.logits_processor = ctx.lm_head(config.vocab_size, config.hidden_size)
         self.comm_meter = ctx.comm_meter
         # A tied LM head shares the embedding's parameter when both have the same shard.
@@ -177,7 +182,7 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
-        hidden = self.model(input_ids, positions, batch)
+        hidden = self.ubatches(input_ids, positions, batch)
         return self.logits_processor(hidden, self.lm_head, batch)
 
     def weight_mapping(self) -> WeightMapping:

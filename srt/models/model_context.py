@@ -41,8 +41,9 @@ from srt.server_args_choices import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 @dataclass(frozen=True)
 class ModelOptions:
     """``enable_two_batch_overlap`` / ``enable_single_batch_overlap``: the model is built so
-    that steps may run that overlap (``--overlap-mode`` tbo / sbo, or auto for both); each
-    step says whether it does (``ForwardBatch.can_run_tbo`` / ``sbo``)."""
+    that steps may run that overlap (``--overlap-mode`` tbo / sbo, or auto for both; two
+    micro-batches for dbo too); each step says whether it does (``ForwardBatch.can_run_tbo``
+    / ``sbo`` / ``dbo``)."""
 
     deepep_mode: str = "auto"
     max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
@@ -58,7 +59,7 @@ class ModelOptions:
             server_args.deepep_mode,
             server_args.max_dispatch_tokens_per_rank,
             server_args.enable_dp_lm_head,
-            "tbo" in server_args.overlap_modes,
+            bool({"tbo", "dbo"} & set(server_args.overlap_modes)),  # two micro-batches
             "sbo" in server_args.overlap_modes,
             server_args.sbo_num_blocks,
             server_args.sbo_communication_sms,

@@ -54,7 +54,7 @@ def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-_allowed = threading.local()  # per thread: the reasons host reads are allowed right now
+_allowed = threading.local()  # per thread: the reasons host reads are allowed, the guards on
 
 
 class _SyncGuardMode(TorchFunctionMode):
@@ -77,12 +77,22 @@ def forbid_host_sync(device: torch.device | str | None = None) -> Iterator[None]
     previous = torch.cuda.get_sync_debug_mode() if cuda else None
     if cuda:
         torch.cuda.set_sync_debug_mode("error")
+    guards = _allowed.__dict__.setdefault("guards", [])
+    guards.append(device or torch.device("cpu"))
     try:
         with _SyncGuardMode():
             yield
     finally:
+        guards.pop()
         if cuda:
             torch.cuda.set_sync_debug_mode(previous)
+
+
+def active_guard() -> torch.device | None:
+    """The device of the innermost ``forbid_host_sync`` active in this thread (None: none), so
+    that a thread working for this one can take the same guard."""
+    guards = getattr(_allowed, "guards", None)
+    return guards[-1] if guards else None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from benchmark.common.netns import list_namespaces, netns_available
 
 SUMMARY = re.compile(
     r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ sbo_decode_speedup=\S+ "
+    r"dbo_decode_speedup=\S+ dbo_prefill_speedup=\S+ "
     r"hidden_fraction=\S+ serving_auto_vs_off=\S+ serving_auto_vs_best=\S+"
 )
 

@@ -23,6 +23,7 @@ from srt.layers.moe.blocked_experts import BlockedProjection
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
+from srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class MoEGate(nn.Module):
@@ -71,6 +72,20 @@ class SparseMoeBlock(nn.Module):
         self.dispatchers = tuple(dispatchers)
         self.attn_tp_size = attn_tp_size  # each rank dispatches 1/attn_tp of its group's tokens
         self.comm_meter = comm_meter or CommMeter()  # shared by a model's MoE layers
+
+    def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The block as one call, for a model written without operation lists: its operations
+        in vLLM's order (the shared experts between the combine's send and its receive, where
+        dual-batch overlap hands over)."""
+        state = LayerState(batch, batch.positions)
+        state.put(mlp_input=hidden_states)
+        shared = [self.op_shared_experts] if self.shared_experts is not None else []
+        for op in (
+            self.op_gate, self.op_select_experts, self.op_dispatch_a, self.op_dispatch_b,
+            self.op_experts, self.op_combine_a, *shared, self.op_combine_b, self.op_output,
+        ):  # fmt: skip
+            op(state)
+        return state.take_outputs("mlp_output")[0]
 
     def dispatcher(self, state: LayerState) -> TokenDispatcher:
         return self.dispatchers[state.batch.tbo_subbatch_index or 0]

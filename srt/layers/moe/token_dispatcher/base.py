@@ -9,6 +9,8 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+from srt.batch_overlap.ubatching import dbo_register_recv_hook, dbo_yield
+
 
 class DispatchOutput(NamedTuple):
     hidden_states: torch.Tensor  # [T_recv, H] tokens this rank's experts must process
@@ -54,7 +56,12 @@ class TokenDispatcher(abc.ABC):
     ``is_extend``, whether any DP group extends; ``global_max_tokens``, the most tokens any EP
     rank dispatches in this step; ``blocked_combine``, whether this dispatch's combine goes
     back block by block (single-batch overlap; None: whenever the dispatcher has a blocked
-    combine, True where it has none is an error)."""
+    combine, True where it has none is an error).
+
+    Dual-batch overlap (``srt.batch_overlap.ubatching``, vLLM's schedule): each ``_a`` first
+    runs the receive hook the other micro-batch left (``dbo_maybe_run_recv_hook``), then
+    sends; each ``_b`` first hands over (``_hand_over``): it leaves the wait for its exchange
+    to the other micro-batch and yields, then receives. The calls do nothing outside DBO."""
 
     @abc.abstractmethod
     def dispatch_a(
@@ -76,3 +83,10 @@ class TokenDispatcher(abc.ABC):
 
     @abc.abstractmethod
     def combine_b(self) -> torch.Tensor: ...
+
+    @staticmethod
+    def _hand_over(pending) -> None:
+        """Dual-batch overlap, between a send and its receive: the other micro-batch gets the
+        wait for ``pending`` (None: nothing to wait for) as its receive hook and the turn."""
+        dbo_register_recv_hook(None if pending is None else pending.wait)
+        dbo_yield()

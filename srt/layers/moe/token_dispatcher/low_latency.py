@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
+from srt.batch_overlap.ubatching import dbo_maybe_run_recv_hook
 from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine, BlockedCombineDispatcher
@@ -140,6 +141,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         global_max_tokens: int | None = None,
         blocked_combine: bool | None = None,
     ) -> None:
+        dbo_maybe_run_recv_hook()
         self._guard.enter("dispatch_a")
         self._select_blocked(blocked_combine)
         check_inputs(self.fmt, hidden_states, topk_weights, topk_ids)
@@ -215,6 +217,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         """Fixed shape ``[ep_size·C, H]``, block by source rank; fresh tensors (the receive
         buffer is reused by the next dispatch)."""
         self._guard.enter("dispatch_b")
+        self._hand_over(self._pending)
         self._pending.wait()
         self._pending = None
         ep, c = self.layout.ep_size, self.capacity
@@ -239,6 +242,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
         )
 
     def combine_a(self, expert_output: torch.Tensor) -> None:
+        dbo_maybe_run_recv_hook()
         self._guard.enter("combine_a")
         if self.blocked is not None:
             self.blocked.drop()  # an unblocked combine this time
@@ -274,6 +278,7 @@ class TorchA2ALowLatencyDispatcher(BlockedCombineDispatcher):
 
     def combine_b(self) -> torch.Tensor:
         self._guard.enter("combine_b")
+        self._hand_over(self._pending)
         if self.overlap_args is not None:
             self._slots = self._counts = self._back = None
             return self.blocked.finish()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from srt.batch_overlap.ubatching import dbo_maybe_run_recv_hook
 from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
@@ -115,6 +116,7 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         global_max_tokens: int | None = None,
         blocked_combine: bool | None = None,
     ) -> None:
+        dbo_maybe_run_recv_hook()
         self._guard.enter("dispatch_a")
         self._select_blocked(blocked_combine)
         check_inputs(self.fmt, hidden_states, topk_weights, topk_ids)
@@ -212,6 +214,7 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         """Rows ``[R, H]`` by source rank then source token; ``hidden_states`` is a strided view
         of this call's own receive buffer (no copy, never reused)."""
         self._guard.enter("dispatch_b")
+        self._hand_over(self._pending)
         self._pending.wait()
         if self._ragged is not None:
             self._recv = self._gather_ragged()
@@ -236,6 +239,7 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         return torch.cat(parts)
 
     def combine_a(self, expert_output: torch.Tensor) -> None:
+        dbo_maybe_run_recv_hook()
         self._guard.enter("combine_a")
         if self.blocked is not None:
             self.blocked.drop()  # an unblocked combine this time
@@ -270,6 +274,7 @@ class TorchA2ANormalDispatcher(BlockedCombineDispatcher):
         """Sums in the hidden dtype: a token gets at most ep_size contributions, and the
         single-rank FusedMoE accumulates its top-k the same way."""
         self._guard.enter("combine_b")
+        self._hand_over(self._pending)
         routed = self._routed
         if self.overlap_args is not None:
             out = self.blocked.finish()

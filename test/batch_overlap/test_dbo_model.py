@@ -1,0 +1,98 @@
+"""Dual-batch overlap is exact, model level: every rank builds the same model twice (overlap off
+and ``--enable-dbo``) in a real gloo world and replays the TBO tests' script through both, as
+the scheduler runs it (proposal, MLP sync, forward or idle forward). Log-probabilities agree to
+1e-5 (fp32) and greedy tokens are identical, step by step, for Qwen3-MoE, DeepSeek-V2 and
+DeepSeek-V3 under DP attention, with the normal, low_latency and auto dispatchers.
+
+The thresholds sit on the script's edges (decode 3, prefill 6 tokens): a step where one group
+decodes 2 sequences and one where a group extends 4 tokens run unsplit everywhere, the
+neighbouring ones split. Every step's split is checked against vLLM's uniform rule on the
+groups' token counts (an idle group, or one at or under half the largest count, stops
+everyone), and the split steps must have handed over at the dispatchers' yields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.overlap_script import MODELS, SCRIPT, assert_same, run_script, server_args
+from helpers.run_ranks import run_ranks
+
+from srt.distributed.parallel_state import init_parallel_state
+from srt.model_executor.model_runner import ModelRunner
+
+pytestmark = pytest.mark.slow  # starts processes
+
+DECODE_THRESHOLD, PREFILL_THRESHOLD = 3, 6
+# Per step of SCRIPT: does DBO split it (group 0's and group 1's batches, by the rule)?
+EXPECTED_SPLIT = [True, False, False, True, False, True, False, True]
+
+
+def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict:
+    torch.set_num_threads(1)
+    parallel = init_parallel_state(n, rank, dp, True, "torch", "gloo", init_method)
+    try:
+        out = {}
+        for mode, path, name in runs:
+            for dbo in (False, True):
+                args = server_args(
+                    path, n, dp, "torch", deepep_mode=mode, max_dispatch_tokens_per_rank=64,
+                    enable_dbo=dbo, dbo_decode_token_threshold=DECODE_THRESHOLD,
+                    dbo_prefill_token_threshold=PREFILL_THRESHOLD,
+                )  # fmt: skip
+                runner = ModelRunner(args, parallel=parallel)
+                out[mode, name, dbo] = run_script(runner, dp)
+                wrapper = runner.model.ubatches
+                out[mode, name, dbo, "dbo"] = (dict(runner.dbo_step_counts), wrapper.num_yields)
+                wrapper.close()
+        return out
+    finally:
+        parallel.destroy()
+
+
+RUNS = [
+    ("normal", "tiny-qwen3-moe"),
+    ("normal", "tiny-deepseek-v3"),
+    ("low_latency", "tiny-deepseek-v2"),
+    ("auto", "tiny-qwen3-moe"),
+    ("auto", "tiny-deepseek-v3"),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_models) -> list[dict]:
+    runs = [(mode, tiny_models[name], name) for mode, name in RUNS]
+    return run_ranks(dbo_worker, 2, 2, runs, timeout=600.0)
+
+
+def test_every_model_is_covered():
+    assert {name for _, name in RUNS} == set(MODELS)
+    assert {mode for mode, _ in RUNS} == {"normal", "low_latency", "auto"}
+
+
+@pytest.mark.parametrize("mode, name", RUNS, ids=[f"{m}-{n}" for m, n in RUNS])
+def test_dbo_equals_plain(results, mode, name):
+    for rank, out in enumerate(results):
+        (plain, plain_split), (dbo, dbo_split) = out[mode, name, False], out[mode, name, True]
+        assert not any(plain_split), f"{name} rank {rank}: split with DBO off"
+        assert dbo_split == EXPECTED_SPLIT, f"{name} rank {rank}"
+        assert_same(dbo, plain, f"{mode} {name} rank {rank}")
+        counts, yields = out[mode, name, True, "dbo"]
+        assert sum(counts.values()) == sum(EXPECTED_SPLIT), counts
+        assert out[mode, name, False, "dbo"] == ({}, 0)
+        assert yields >= 2 * sum(EXPECTED_SPLIT), yields  # handed over at the dispatchers
+
+
+def test_expected_split_follows_the_rule():
+    """EXPECTED_SPLIT is vLLM's rule on the script's token counts, worked out here by hand:
+    group tokens per step (group 0, group 1) and whether each passes its threshold."""
+    tokens = [(16, 11), (3, 2), (3, 0), (10, 6), (6, 4), (45, 32), (8, 3), (8, 7)]
+    modes = [("e", "e"), ("d", "d"), ("d", None), ("e", "e"), ("e", "e"), ("e", "e"),
+             ("d", "e"), ("d", "d")]  # fmt: skip
+    assert len(tokens) == len(SCRIPT) == len(EXPECTED_SPLIT)
+    for step, (counts, kinds) in enumerate(zip(tokens, modes)):
+        passes = all(
+            kind is not None and n >= (PREFILL_THRESHOLD if kind == "e" else DECODE_THRESHOLD)
+            for n, kind in zip(counts, kinds)
+        )
+        half = max(counts) // 2
+        assert EXPECTED_SPLIT[step] == (passes and all(n > half for n in counts)), step
