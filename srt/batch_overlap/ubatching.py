@@ -114,7 +114,7 @@ def make_ubatch_contexts(batches: list[Any], device: torch.device) -> list[UBatc
     each gets a stream of its own (from the stream pool)."""
     if len(batches) != NUM_UBATCHES:
         raise ValueError(
-            f"dual-batch overlap runs {NUM_UBATCHES} micro-batches, got {len(batches)}"
+            f"dual-batch overlap runs {NUM_UBATCHES} micro-batches, not {len(batches)}"
         )
     baton = _Baton(len(batches))
     cuda = device.type == "cuda"
