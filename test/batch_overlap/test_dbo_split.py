@@ -100,7 +100,7 @@ def test_children_carry_the_flag():
 
 
 def make_args(**kwargs) -> ServerArgs:
-    return ServerArgs(model_path="unused", **kwargs)
+    return ServerArgs(model_path="unused", device="cpu", **kwargs)
 
 
 def test_flags():

@@ -111,22 +111,42 @@ def test_full_queue_answers_503_and_the_server_recovers(qwen3_moe_path: str) -> 
         assert_pool_full(internal_state(server.url))
 
 
-def test_hung_rank_ends_the_server_naming_it(qwen3_moe_path: str) -> None:
+# Dual-batch overlap on every step of two or more tokens: the rank stops inside a step whose
+# micro-batches run in their threads.
+DBO = ("--moe-a2a-backend", "torch", "--enable-dbo", "--dbo-decode-token-threshold", "2",
+       "--dbo-prefill-token-threshold", "2")  # fmt: skip
+
+
+def wait_for_dbo_decode(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not internal_state(url).get("num_dbo_steps", {}).get("decode"):
+        assert time.monotonic() < deadline, "no decode step ran dual-batch overlap"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("flags, streams", [((), 1), (DBO, 2)], ids=["plain", "dbo"])
+def test_hung_rank_ends_the_server_naming_it(qwen3_moe_path: str, flags, streams) -> None:
     """Rank 1 of two is stopped (SIGSTOP) mid-decode: rank 0's collective times out, the
     heartbeats name rank 1, the stream in flight ends with that error, and the server exits
-    non-zero within the watchdog timeout plus 5 s, leaving no process or IPC directory."""
+    non-zero within the watchdog timeout plus 5 s, leaving no process or IPC directory. Under
+    dual-batch overlap (two streams: every decode step splits) the same holds, threads and all."""
     timeout = 3.0
-    server = ServerProcess(qwen3_moe_path, "--tp", "2", "--watchdog-timeout", str(timeout))
+    server = ServerProcess(qwen3_moe_path, "--tp", "2", "--watchdog-timeout", str(timeout), *flags)
     rank1 = None
     try:
         server.wait_healthy()
         children = server.children()
         rank1 = spawned_children(server)[1]
-        with httpx.Client(base_url=server.url, timeout=30.0) as http:
-            with open_stream(http, LONG) as lines:
-                os.kill(rank1, signal.SIGSTOP)
-                stopped_at = time.monotonic()
-                rest = [json.loads(line[len("data: ") :]) for line in lines if "[DONE]" not in line]
+        with contextlib.ExitStack() as stack:
+            https = [stack.enter_context(httpx.Client(base_url=server.url, timeout=30.0))
+                     for _ in range(streams)]  # fmt: skip
+            opened = [stack.enter_context(open_stream(http, LONG)) for http in https]
+            if flags:
+                wait_for_dbo_decode(server.url)
+            os.kill(rank1, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            lines = [line for line in opened[-1] if "[DONE]" not in line]
+            rest = [json.loads(line[len("data: ") :]) for line in lines]
         error = rest[-1]["error"]["message"]
         assert "scheduler rank 0" in error and "silent peers: rank 1 (node 0)" in error, error
         code = server.wait_exit(timeout + 5.0 - (time.monotonic() - stopped_at))
