@@ -2,7 +2,8 @@
 and ``--enable-dbo``) in a real gloo world and replays the TBO tests' script through both, as
 the scheduler runs it (proposal, MLP sync, forward or idle forward). Log-probabilities agree to
 1e-5 (fp32) and greedy tokens are identical, step by step, for Qwen3-MoE, DeepSeek-V2 and
-DeepSeek-V3 under DP attention, with the normal, low_latency and auto dispatchers.
+DeepSeek-V3 under DP attention, with the normal, low_latency and auto dispatchers, and without
+DP attention (every rank runs the same batch and decides alone).
 
 The thresholds sit on the script's edges (decode 3, prefill 6 tokens): a step where one group
 decodes 2 sequences and one where a group extends 4 tokens run unsplit everywhere, the
@@ -23,13 +24,13 @@ from srt.model_executor.model_runner import ModelRunner
 pytestmark = pytest.mark.slow  # starts processes
 
 DECODE_THRESHOLD, PREFILL_THRESHOLD = 3, 6
-# Per step of SCRIPT: does DBO split it (group 0's and group 1's batches, by the rule)?
-EXPECTED_SPLIT = [True, False, False, True, False, True, False, True]
+# Per step of SCRIPT, per dp: does DBO split it (by the rule on every group's batch)?
+EXPECTED_SPLIT = {2: [True, False, False, True, False, True, False, True], 1: [True] * 8}
 
 
 def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict:
     torch.set_num_threads(1)
-    parallel = init_parallel_state(n, rank, dp, True, "torch", "gloo", init_method)
+    parallel = init_parallel_state(n, rank, dp, dp > 1, "torch", "gloo", init_method)
     try:
         out = {}
         for mode, path, name in runs:
@@ -49,37 +50,44 @@ def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict
         parallel.destroy()
 
 
+# (dp, mode, model): dp 2 is tp2-dp2 DP attention, dp 1 tp2 without it
 RUNS = [
-    ("normal", "tiny-qwen3-moe"),
-    ("normal", "tiny-deepseek-v3"),
-    ("low_latency", "tiny-deepseek-v2"),
-    ("auto", "tiny-qwen3-moe"),
-    ("auto", "tiny-deepseek-v3"),
+    (2, "normal", "tiny-qwen3-moe"),
+    (2, "normal", "tiny-deepseek-v3"),
+    (2, "low_latency", "tiny-deepseek-v2"),
+    (2, "auto", "tiny-qwen3-moe"),
+    (2, "auto", "tiny-deepseek-v3"),
+    (1, "normal", "tiny-deepseek-v3"),
 ]
 
 
 @pytest.fixture(scope="module")
-def results(tiny_models) -> list[dict]:
-    runs = [(mode, tiny_models[name], name) for mode, name in RUNS]
-    return run_ranks(dbo_worker, 2, 2, runs, timeout=600.0)
+def results(tiny_models) -> dict[int, list[dict]]:
+    """Every rank's results per dp: one launch of the two ranks per world."""
+    out = {}
+    for dp in sorted({dp for dp, _, _ in RUNS}):
+        runs = [(mode, tiny_models[name], name) for d, mode, name in RUNS if d == dp]
+        out[dp] = run_ranks(dbo_worker, 2, dp, runs, timeout=600.0)
+    return out
 
 
 def test_every_model_is_covered():
-    assert {name for _, name in RUNS} == set(MODELS)
-    assert {mode for mode, _ in RUNS} == {"normal", "low_latency", "auto"}
+    assert {name for dp, _, name in RUNS if dp == 2} == set(MODELS)
+    assert {mode for dp, mode, _ in RUNS if dp == 2} == {"normal", "low_latency", "auto"}
 
 
-@pytest.mark.parametrize("mode, name", RUNS, ids=[f"{m}-{n}" for m, n in RUNS])
-def test_dbo_equals_plain(results, mode, name):
-    for rank, out in enumerate(results):
+@pytest.mark.parametrize("dp, mode, name", RUNS, ids=[f"dp{d}-{m}-{n}" for d, m, n in RUNS])
+def test_dbo_equals_plain(results, dp, mode, name):
+    expected = EXPECTED_SPLIT[dp]
+    for rank, out in enumerate(results[dp]):
         (plain, plain_split), (dbo, dbo_split) = out[mode, name, False], out[mode, name, True]
         assert not any(plain_split), f"{name} rank {rank}: split with DBO off"
-        assert dbo_split == EXPECTED_SPLIT, f"{name} rank {rank}"
+        assert dbo_split == expected, f"{name} rank {rank}"
         assert_same(dbo, plain, f"{mode} {name} rank {rank}")
         counts, yields = out[mode, name, True, "dbo"]
-        assert sum(counts.values()) == sum(EXPECTED_SPLIT), counts
+        assert sum(counts.values()) == sum(expected), counts
         assert out[mode, name, False, "dbo"] == ({}, 0)
-        assert yields >= 2 * sum(EXPECTED_SPLIT), yields  # handed over at the dispatchers
+        assert yields >= 2 * sum(expected), yields  # handed over at the dispatchers
 
 
 def test_expected_split_follows_the_rule():
@@ -88,11 +96,11 @@ def test_expected_split_follows_the_rule():
     tokens = [(16, 11), (3, 2), (3, 0), (10, 6), (6, 4), (45, 32), (8, 3), (8, 7)]
     modes = [("e", "e"), ("d", "d"), ("d", None), ("e", "e"), ("e", "e"), ("e", "e"),
              ("d", "e"), ("d", "d")]  # fmt: skip
-    assert len(tokens) == len(SCRIPT) == len(EXPECTED_SPLIT)
+    assert len(tokens) == len(SCRIPT) == len(EXPECTED_SPLIT[2])
     for step, (counts, kinds) in enumerate(zip(tokens, modes)):
         passes = all(
             kind is not None and n >= (PREFILL_THRESHOLD if kind == "e" else DECODE_THRESHOLD)
             for n, kind in zip(counts, kinds)
         )
         half = max(counts) // 2
-        assert EXPECTED_SPLIT[step] == (passes and all(n > half for n in counts)), step
+        assert EXPECTED_SPLIT[2][step] == (passes and all(n > half for n in counts)), step

@@ -74,20 +74,12 @@ def test_shared_prefix_hit_matches_alone(assert_kv_pool_full, reference):
     assert_kv_pool_full(eng)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"chunked_prefill_size": 8},
-        {"disable_radix_cache": True, "chunked_prefill_size": 8},
-        {"schedule_policy": "lpm", "max_running_requests": 5},
-    ],
-    ids=["chunked", "no-radix-chunked", "lpm-max-running"],
-)
 @pytest.mark.parametrize("reference", ENGINE_MODELS, indirect=True)
 @pytest.mark.slow
-def test_configs_match_alone(assert_kv_pool_full, reference, kwargs):
+def test_lpm_and_max_running_match_alone(assert_kv_pool_full, reference):
+    """Chunking with and without the radix cache is covered below, retraction and all."""
     path, _, prompts, alone = reference
-    with engine(path, **kwargs) as eng:
+    with engine(path, schedule_policy="lpm", max_running_requests=5) as eng:
         assert output_ids(eng, prompts) == alone
         assert_kv_pool_full(eng)
 
