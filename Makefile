@@ -20,7 +20,7 @@ serve: install
 	$(PY) -m launch_server --host $(HOST) --port $(PORT) $(ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check srt launch test benchmark
+	$(VENV)/bin/ruff check srt launch test benchmark pipeline
 
 test: lint
 	$(PY) -m pytest -q -x test

@@ -1,0 +1,201 @@
+"""Simulate a schedule: each rank runs its actions in order, an action starting when the rank is
+free and its inputs are there; → each rank's timeline, its bubble (the makespan minus the
+rank's busy time) and its peak live activations (micro-batch chunks whose forward has started
+and whose backward, W included, has not ended). ``check`` proves a schedule valid.
+
+Costs are per action of one stage (a chunk): F, B (a whole backward: input and weight
+gradients), W (the weight-gradient part, so a split backward costs B − W), FB (an F&B pair run
+overlapped; default F + B, no overlap), p2p (a message's transfer), a2a (the MoE all-to-all of
+one forward or one backward, exposed in F and B alone; an F&B pair's cost says how much of its
+two stays exposed). Messages are asynchronous sends and blocking receives.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipeline.schedules import Action, Comm, Compute, Pair, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    F: float = 1.0
+    B: float = 2.0
+    W: float = 1.0
+    FB: float | None = None
+    p2p: float = 0.0
+    a2a: float = 0.0
+
+    def of(self, action: Compute | Pair) -> float:
+        if isinstance(action, Pair):
+            return self.FB if self.FB is not None else self.of(action.f) + self.of(action.b)
+        if action.kind == "F":
+            return self.F + self.a2a
+        if action.kind == "W":
+            return self.W
+        return (self.B - self.W if action.split_w else self.B) + self.a2a
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    action: Compute | Pair
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    schedule: Schedule
+    costs: Costs
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max(s.end for s in self.spans)
+
+    def busy(self, rank: int) -> float:
+        return sum(s.end - s.start for s in self.spans if s.rank == rank)
+
+    def bubbles(self) -> list[float]:
+        """Per rank: the makespan minus its busy time."""
+        return [self.makespan - self.busy(r) for r in range(self.schedule.num_ranks)]
+
+    def peak_activations(self) -> list[int]:
+        """Per rank: the most (stage, micro-batch) activations held at once."""
+        peaks = []
+        for rank in range(self.schedule.num_ranks):
+            events = []
+            for s in (s for s in self.spans if s.rank == rank):
+                for c in _parts(s.action):
+                    if c.kind == "F":
+                        events.append((s.start, 1))
+                    elif c.kind == "W" or not c.split_w:
+                        events.append((s.end, -1))
+            live = peak = 0
+            for _, delta in sorted(events):  # releases first at equal times
+                live += delta
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+
+def _parts(action: Compute | Pair) -> tuple[Compute, ...]:
+    return (action.f, action.b) if isinstance(action, Pair) else (action,)
+
+
+class _Run:
+    """The simulation's state: when each computation ended, when each message arrives."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.s, self.costs = schedule, costs
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) → end
+        self.sent: dict[tuple[str, int, int, int], float] = {}  # (what, stage, mb, dst) → arrival
+        self.received: dict[tuple[str, int, int], float] = {}  # (what, stage, mb) → at this rank
+
+    def input_ready(self, rank: int, c: Compute) -> float | None:
+        """When ``c``'s inputs are on ``rank``; None while one is missing."""
+        last = self.s.num_stages - 1
+        if c.kind == "F":
+            if c.stage == 0:
+                return 0.0
+            return self._from(rank, "F", "act", c.stage - 1, c.mb)
+        if c.kind == "W":
+            return self.done.get(("B", c.stage, c.mb))
+        own = self.done.get(("F", c.stage, c.mb))
+        if own is None:
+            return None
+        if c.stage == last:
+            return own
+        grad = self._from(rank, "B", "grad", c.stage + 1, c.mb)
+        return None if grad is None else max(own, grad)
+
+    def _from(self, rank: int, kind: str, what: str, stage: int, mb: int) -> float | None:
+        if self.s.stage_rank[stage] == rank:
+            return self.done.get((kind, stage, mb))
+        return self.received.get((what, stage, mb, rank))
+
+    def step(self, rank: int, action: Action, clock: float) -> tuple[float, float] | None:
+        """Run ``action`` on ``rank`` free at ``clock``: its start and end, or None if it must
+        wait."""
+        if isinstance(action, Comm):
+            key = (action.what, action.stage, action.mb)
+            if action.kind == "send":
+                self.sent[(*key, action.peer)] = clock + self.costs.p2p
+                return clock, clock
+            arrival = self.sent.get((*key, rank))
+            if arrival is None:
+                return None
+            self.received[(*key, rank)] = max(clock, arrival)
+            return clock, max(clock, arrival)
+        times = [self.input_ready(rank, c) for c in _parts(action)]
+        if any(t is None for t in times):
+            return None
+        start = max(clock, *times)
+        end = start + self.costs.of(action)
+        for c in _parts(action):
+            self.done[(c.kind, c.stage, c.mb)] = end
+        return start, end
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
+    """Run every rank's list; raises ScheduleError naming each rank's blocked action when no
+    rank can go on (a deadlock)."""
+    run, timeline = _Run(schedule, costs), Timeline(schedule, costs)
+    pos = [0] * schedule.num_ranks
+    clock = [0.0] * schedule.num_ranks
+    while any(p < len(a) for p, a in zip(pos, schedule.ranks)):
+        progressed = False
+        for r, actions in enumerate(schedule.ranks):
+            while pos[r] < len(actions):
+                action = actions[pos[r]]
+                ran = run.step(r, action, clock[r])
+                if ran is None:
+                    break
+                start, end = ran
+                if not isinstance(action, Comm):
+                    timeline.spans.append(Span(r, action, start, end))
+                clock[r], pos[r], progressed = end, pos[r] + 1, True
+        if not progressed:
+            blocked = [f"rank {r}: {a[p]}" for r, (p, a) in enumerate(zip(pos, schedule.ranks))
+                       if p < len(a)]  # fmt: skip
+            raise ScheduleError(f"{schedule.name}: deadlock; blocked: {'; '.join(blocked)}")
+    return timeline
+
+
+def check(schedule: Schedule) -> None:
+    """Every stage's actions on its rank; every micro-batch's F and B once per stage, W once
+    exactly where its B was split, after it; every send matched by one receive between the
+    right ranks; and the whole schedule runs to its end (no deadlock). Raises ScheduleError."""
+    s, counts = schedule, Counter()
+    messages: Counter = Counter()
+    for rank, actions in enumerate(s.ranks):
+        for a in actions:
+            if isinstance(a, Comm):
+                src, dst = (rank, a.peer) if a.kind == "send" else (a.peer, rank)
+                if s.stage_rank[a.stage] != src:
+                    raise ScheduleError(f"rank {rank}: {a} travels from a rank without s{a.stage}")
+                messages[(a.what, a.stage, a.mb, src, dst)] += 1 if a.kind == "send" else -1
+                continue
+            for c in _parts(a):
+                if s.stage_rank[c.stage] != rank:
+                    raise ScheduleError(f"rank {rank} runs {c} of a stage it does not hold")
+                counts[(c.kind, c.stage, c.mb)] += 1
+                counts[("split", c.stage, c.mb)] += c.kind == "B" and c.split_w
+    for stage in range(s.num_stages):
+        for mb in range(s.num_microbatches):
+            for kind in ("F", "B"):
+                if counts[(kind, stage, mb)] != 1:
+                    n = counts[(kind, stage, mb)]
+                    raise ScheduleError(f"{s.name}: {kind}{mb}@s{stage} runs {n} times")
+            if counts[("W", stage, mb)] != counts[("split", stage, mb)]:
+                raise ScheduleError(f"{s.name}: W{mb}@s{stage} without a split B, or missing")
+    unmatched = {k: v for k, v in messages.items() if v}
+    if unmatched:
+        raise ScheduleError(f"{s.name}: sends without receives (or back): {unmatched}")
+    simulate(schedule, Costs(1.0, 2.0, 1.0))
