@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--serving-output-len", type=int, default=64,
         help="output tokens per prompt of a serving burst (64 input tokens each)",
     )  # fmt: skip
+    p.add_argument(
+        "--one-batch-modes", nargs="+", choices=OVERLAP_MODES, default=list(OVERLAP_MODES),
+        help="the overlaps bench_one_batch compares with off, in this order",
+    )  # fmt: skip
     p.add_argument("--no-serving", action="store_true", help="skip the launch_server runs")
     p.add_argument(
         "--serving-modes", nargs="+", choices=list(SERVING_FLAGS), default=list(SERVING_FLAGS),
@@ -183,7 +187,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
     with create_cluster(args.nodes, shaped, burst=args.burst, latency=args.latency) as cluster:
         print(f"== {cluster.describe()}", flush=True)
         print(format_selftest(cluster, link_selftest(cluster)), flush=True)
-        for mode in OVERLAP_MODES:
+        for mode in args.one_batch_modes:
             point[mode] = run_one_batch(args, cluster, mode, out, tag)
             for row in point[mode]:
                 if row["variant"].endswith("_on"):
@@ -209,19 +213,19 @@ def _pair(rows: list[dict], batch: int) -> tuple[dict, dict]:
 
 
 def summary_line(point: dict, batch: int) -> str:
-    (t_off, t_on), (_, s_on) = _pair(point["tbo"], batch), _pair(point["sbo"], batch)
-    _, d_on = _pair(point["dbo"], batch)
-    keys = ("prefill_latency", "median_decode_latency")
-    saved = sum(t_off[k] - t_on[k] for k in keys)
-    comm = t_off["prefill_comm_seconds"] + t_off["decode_comm_seconds"]
-    line = (
-        f"summary: tbo_decode_speedup={t_on['decode_speedup']:.3f} "
-        f"tbo_prefill_speedup={t_on['prefill_speedup']:.3f} "
-        f"sbo_decode_speedup={s_on['decode_speedup']:.3f} "
-        f"dbo_decode_speedup={d_on['decode_speedup']:.3f} "
-        f"dbo_prefill_speedup={d_on['prefill_speedup']:.3f} "
-        f"hidden_fraction={saved / comm if comm else float('nan'):.3f}"
-    )
+    parts = ["summary:"]
+    for mode, kinds in (("tbo", ("decode", "prefill")), ("sbo", ("decode",)),
+                        ("dbo", ("decode", "prefill"))):  # fmt: skip
+        if mode in point:
+            on = _pair(point[mode], batch)[1]
+            parts += [f"{mode}_{kind}_speedup={on[f'{kind}_speedup']:.3f}" for kind in kinds]
+    if "tbo" in point:
+        t_off, t_on = _pair(point["tbo"], batch)
+        keys = ("prefill_latency", "median_decode_latency")
+        saved = sum(t_off[k] - t_on[k] for k in keys)
+        comm = t_off["prefill_comm_seconds"] + t_off["decode_comm_seconds"]
+        parts.append(f"hidden_fraction={saved / comm if comm else float('nan'):.3f}")
+    line = " ".join(parts)
     serving = point.get("serving", {})
     ratios = serving_auto_ratios(serving) | serving_dbo_ratio(serving)
     return " ".join([line, *(f"{key}={value:.3f}" for key, value in ratios.items())])

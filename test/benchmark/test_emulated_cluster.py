@@ -1,8 +1,8 @@
 """The emulated cluster end to end, lean: two namespaces over a 1 Gbit/s tbf link, the tiny
-model, one batch size and one repeat of both overlap comparisons, then a serving phase of two
-modes (off and auto: two servers up at once, auto's choices read back) with one short burst
-each; it prints its summary line and leaves no namespace, link or process behind. Needs root
-and ``ip netns``."""
+model, one batch size and one repeat of the TBO and DBO comparisons (SBO's runs the same
+harness), then a serving phase of two modes (off and auto: two servers up at once, auto's
+choices read back) with one short burst each; it prints its summary line and leaves no
+namespace, link or process behind. Needs root and ``ip netns``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from benchmark.cluster import emulated_cluster
 from benchmark.common.netns import list_namespaces, netns_available
 
 SUMMARY = re.compile(
-    r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ sbo_decode_speedup=\S+ "
+    r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ "
     r"dbo_decode_speedup=\S+ dbo_prefill_speedup=\S+ "
     r"hidden_fraction=\S+ serving_auto_vs_off=\S+ serving_auto_vs_best=\S+"
 )
@@ -28,7 +28,8 @@ def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
     argv = [
         sys.executable, "-m", "benchmark.cluster.emulated_cluster", "--nodes", "2",
         "--link-rate", "1gbit", "--quick", "--model-path", qwen3_moe_path, "--batch-size", "4",
-        "--repeat", "1", "--serving-modes", "off", "auto", "--num-prompts", "4",
+        "--repeat", "1", "--one-batch-modes", "tbo", "dbo", "--serving-modes", "off", "auto",
+        "--num-prompts", "4",
         "--serving-output-len", "8", "--serving-runs", "1", "--out-dir", str(tmp_path),
         "--timeout", "240",
     ]  # fmt: skip
@@ -65,3 +66,21 @@ def test_summary_gives_the_serving_ratios_of_the_modes_served():
         "serving_auto_vs_best": 2.0
     }
     assert emulated_cluster.serving_auto_ratios({"off": rec(1.0), "tbo": rec(2.0)}) == {}
+
+
+def test_summary_names_the_modes_compared():
+    def rows(speedup: float) -> list[dict]:
+        off = {"batch_size": 4, "variant": "x_off", "prefill_latency": 2.0,
+               "median_decode_latency": 1.0, "prefill_comm_seconds": 1.0,
+               "decode_comm_seconds": 0.5}  # fmt: skip
+        on = {"batch_size": 4, "variant": "x_on", "prefill_latency": 1.0,
+              "median_decode_latency": 0.5, "decode_speedup": speedup,
+              "prefill_speedup": speedup}  # fmt: skip
+        return [off, on]
+
+    rec = lambda tput: {"output_throughput": tput}
+    point = {"tbo": rows(1.5), "dbo": rows(1.25), "serving": {"off": rec(10.0), "dbo": rec(11.0)}}
+    assert emulated_cluster.summary_line(point, 4) == (
+        "summary: tbo_decode_speedup=1.500 tbo_prefill_speedup=1.500 dbo_decode_speedup=1.250 "
+        "dbo_prefill_speedup=1.250 hidden_fraction=1.000 serving_dbo_vs_off=1.100"
+    )
