@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.schedules import make_schedule
+from pipeline.schedules import add_schedule_args, schedule_from_args
 from pipeline.simulator import Costs, check, simulate
 
 
@@ -29,11 +29,7 @@ def formula(args: argparse.Namespace, c: Costs) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedules-method", choices=["1f1b", "vpp", "dualpipev"], default="1f1b")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=4)
-    p.add_argument("--num-micro-batches", type=int, default=8)
-    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--dualpipev-dw-detach", action="store_true")
+    add_schedule_args(p, pp=4, n=8)
     for name, default in (("F", 1.0), ("B", 2.0), ("W", 1.0), ("p2p", 0.0), ("a2a", 0.0)):
         p.add_argument(f"--cost-{name.lower()}", type=float, default=default)
     p.add_argument("--cost-fb", type=float, default=None, help="an F&B pair (default F + B)")
@@ -41,10 +37,7 @@ def main(argv=None) -> None:
     p.add_argument("--picture", type=Path, default=None, help="write the timeline PNG here")
     args = p.parse_args(argv)
     try:
-        schedule = make_schedule(
-            args.schedules_method, args.pipeline_model_parallel_size, args.num_micro_batches,
-            args.virtual_pipeline_model_parallel_size, args.dualpipev_dw_detach,
-        )  # fmt: skip
+        schedule = schedule_from_args(args)
     except ValueError as e:
         p.error(str(e))
     check(schedule)

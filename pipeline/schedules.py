@@ -23,6 +23,7 @@ with ``split_w`` computes the input gradient only; its W comes later on the same
 
 from __future__ import annotations
 
+import argparse
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -258,3 +259,19 @@ def make_schedule(method: str, pp: int, n: int, v: int = 1, dw_detach: bool = Fa
             raise ValueError("DualPipeV is incompatible with virtual pipeline stages (VPP)")
         return dualpipev(pp, n, dw_detach)
     raise ValueError(f"--schedules-method {method!r}: one of 1f1b, vpp, dualpipev")
+
+
+def add_schedule_args(parser: argparse.ArgumentParser, pp: int, n: int) -> None:
+    """MindSpeed's flags for a schedule (``pp``, ``n``: the defaults)."""
+    parser.add_argument("--schedules-method", choices=["1f1b", "vpp", "dualpipev"], default="1f1b")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=pp)
+    parser.add_argument("--num-micro-batches", type=int, default=n)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--dualpipev-dw-detach", action="store_true")
+
+
+def schedule_from_args(args: argparse.Namespace) -> Schedule:
+    return make_schedule(
+        args.schedules_method, args.pipeline_model_parallel_size, args.num_micro_batches,
+        args.virtual_pipeline_model_parallel_size, args.dualpipev_dw_detach,
+    )  # fmt: skip

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pipeline.executor import RankExecutor
 from pipeline.model import ModelConfig, build_model, loss_fn, split_stages
-from pipeline.schedules import make_schedule
+from pipeline.schedules import add_schedule_args, make_schedule
 from pipeline.simulator import Costs, simulate
 
 
@@ -180,11 +180,7 @@ def bubble_report(cfg: TrainConfig, ranks: list[dict], step: int) -> list[tuple[
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedules-method", choices=["1f1b", "vpp", "dualpipev"], default="1f1b")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=2)
-    p.add_argument("--num-micro-batches", type=int, default=4)
-    p.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--dualpipev-dw-detach", action="store_true")
+    add_schedule_args(p, pp=2, n=4)
     p.add_argument("--moe-fb-overlap", action="store_true")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
