@@ -3,10 +3,12 @@
 Each block is causal self-attention then a sparse MoE MLP routed by srt's ``select_experts``
 (Qwen3-MoE's softmax top-k; or DeepSeek-V3's sigmoid scores with a correction bias and a
 shared expert), normed by srt's ``RMSNorm``; the experts run as a loop over experts, which
-autograd differentiates. ``build_stages`` makes the whole model from one seed and cuts its
-blocks into ``num_stages`` equal runs: stage 0 also embeds, the last also norms and projects to
-the vocabulary. Every rank builds it alike and keeps its own stages, so parameter names
-(``blocks.3.moe.w1``) are the same everywhere and match the unsplit reference's.
+autograd differentiates; ``MoE.shard`` keeps one EP rank's block of experts and sends tokens
+to their owners (``pipeline/ep.py``). ``build_model`` makes the whole model from one seed and
+``split_stages`` cuts its blocks into ``num_stages`` equal runs: stage 0 also embeds, the last
+also norms and projects to the vocabulary. Every rank builds it alike and keeps its own
+stages, so parameter names (``blocks.3.moe.w1``) are the same everywhere and match the
+unsplit reference's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.ep import EPGroup, dispatch_combine
 from srt.layers.layernorm import RMSNorm
 from srt.layers.moe.topk import TopKConfig, select_experts
 
@@ -47,9 +50,36 @@ class MoE(nn.Module):
         self.shared = nn.Sequential(nn.Linear(h, i, bias=False), nn.SiLU(),
                                     nn.Linear(i, h, bias=False)) if v3 else None  # fmt: skip
 
+        self.ep: EPGroup | None = None
+
+    def shard(self, ep: EPGroup) -> None:
+        """Keep this rank's block of experts and exchange tokens over ``ep``."""
+        num = self.w1.shape[0]
+        if num % ep.size:
+            raise ValueError(f"{num} experts do not split over an EP group of {ep.size}")
+        lo, hi = ep.rank * num // ep.size, (ep.rank + 1) * num // ep.size
+        for name in ("w1", "w3", "w2"):
+            setattr(self, name, nn.Parameter(getattr(self, name).detach()[lo:hi].clone()))
+        self.ep = ep
+
+    def _experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(rows)
+        for e in range(self.w1.shape[0]):
+            (idx,) = (local_ids == e).nonzero(as_tuple=True)
+            if idx.numel():
+                h = rows[idx]
+                y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
+                out = out.index_add(0, idx, y)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
         weights, ids = select_experts(self.gate(flat), self.topk, self.bias)  # [T, k]
+        if self.ep is not None:
+            out = dispatch_combine(flat, weights, ids, self.w1.shape[0], self.ep, self._experts)
+            if self.shared is not None:
+                out = out + self.shared(flat)
+            return out.view_as(x)
         out = torch.zeros_like(flat)
         for e in range(self.w1.shape[0]):
             token, slot = (ids == e).nonzero(as_tuple=True)

@@ -30,6 +30,7 @@ class Costs:
     FB: float | None = None
     p2p: float = 0.0
     a2a: float = 0.0
+    Bi: float | None = None  # a split backward (input gradient only); B − W when None
 
     def of(self, action: Compute | Pair) -> float:
         if isinstance(action, Pair):
@@ -38,7 +39,9 @@ class Costs:
             return self.F + self.a2a
         if action.kind == "W":
             return self.W
-        return (self.B - self.W if action.split_w else self.B) + self.a2a
+        if action.split_w:
+            return (self.B - self.W if self.Bi is None else self.Bi) + self.a2a
+        return self.B + self.a2a
 
 
 @dataclass(frozen=True)

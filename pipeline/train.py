@@ -6,13 +6,16 @@ MindSpeed's flags; and the single-process reference it must equal.
 
 Prints each step's loss and time, and, with ``--check``, the largest relative difference of
 the loss, of every parameter's gradient after the first step and of the weights after the last
-against the reference. ``--moe-fb-overlap`` (a forward and a backward interleaved at their
-all-to-all points) is not built yet and is refused.
+against the reference. ``--expert-model-parallel-size EP`` spreads each stage's experts over
+EP ranks (PP × EP processes, each EP rank its own micro-batches); ``--moe-fb-overlap`` runs each
+F&B pair's forward and backward interleaved at their all-to-alls. ``--rank R --dist-init-addr
+HOST:PORT`` runs one rank of a multi-node run (rank 0 prints the summary).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import socket
 import statistics
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.ep import EPGroup
 from pipeline.executor import RankExecutor
 from pipeline.model import ModelConfig, build_model, loss_fn, split_stages
 from pipeline.schedules import add_schedule_args, make_schedule
@@ -35,6 +39,8 @@ class TrainConfig:
     num_microbatches: int = 4
     vpp: int = 1
     dw_detach: bool = False
+    ep: int = 1  # EP group size at each pipeline position (each EP rank runs its own data)
+    fb_overlap: bool = False
     steps: int = 3
     microbatch_size: int = 2
     seq_len: int = 8
@@ -47,10 +53,10 @@ class TrainConfig:
 
 
 def batches(cfg: TrainConfig, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The step's micro-batches of token ids and their next-token labels (the same on every
-    rank and in the reference)."""
+    """The step's micro-batches of token ids and their next-token labels, ``num_microbatches``
+    for each EP rank in rank order (the same on every rank and in the reference)."""
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
-    shape = (cfg.num_microbatches, cfg.microbatch_size, cfg.seq_len + 1)
+    shape = (cfg.num_microbatches * cfg.ep, cfg.microbatch_size, cfg.seq_len + 1)
     tokens = torch.randint(0, cfg.model.vocab, shape, generator=gen)
     return list(tokens[:, :, :-1]), list(tokens[:, :, 1:])
 
@@ -65,7 +71,7 @@ def reference(cfg: TrainConfig) -> dict:
         ids, labels = batches(cfg, step)
         total = 0.0
         for x, y in zip(ids, labels):
-            loss = loss_fn(model(x), y, cfg.num_microbatches)
+            loss = loss_fn(model(x), y, len(ids))
             loss.backward()
             total += float(loss.detach())
         out["losses"].append(total)
@@ -78,41 +84,113 @@ def reference(cfg: TrainConfig) -> dict:
     return out
 
 
-def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig]) -> list[dict]:
-    """This rank's part of each run of ``cfgs`` (one process group for all)."""
+EXPERT_PARAMS = (".moe.w1", ".moe.w2", ".moe.w3")  # split over the EP group; the rest replicated
+
+
+def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig],
+               gather: bool = False) -> list[dict] | list[list[dict]] | None:  # fmt: skip
+    """This rank's part of each run of ``cfgs`` (one process group for all; global rank
+    ``d·PP + r`` is pipeline rank r of EP rank d). ``gather``: rank 0 returns every rank's
+    results (``[rank][run]``), the others None."""
     torch.set_num_threads(1)  # one core's worth per rank: the ranks share the machine
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        return [_train(rank, cfg) for cfg in cfgs]
+        pp, ep = cfgs[0].pp, cfgs[0].ep
+        groups = [dist.new_group([d * pp + r for d in range(ep)]) if ep > 1 else None
+                  for r in range(pp)]  # fmt: skip
+        out = [_train(rank, cfg, groups[rank % pp]) for cfg in cfgs]
+        if not gather:
+            return out
+        every = [None] * world if rank == 0 else None
+        dist.gather_object(out, every, dst=0)
+        return every
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, cfg: TrainConfig) -> dict:
-    """Its stages' first gradients and final weights by parameter name, each step's loss share
-    and time, and its computations' intervals per step."""
+def measure_p2p(cfg: TrainConfig, rank: int, peers: list[int], repeats: int = 5) -> float:
+    """One activation's time from a pipeline rank to its neighbour (half the median round trip
+    between pipeline ranks 2i and 2i + 1), the largest over the world's pairs."""
+    r = rank % cfg.pp
+    buf = torch.zeros(cfg.microbatch_size, cfg.seq_len, cfg.model.hidden)
+    times = []
+    if r ^ 1 < cfg.pp:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            if r % 2 == 0:
+                dist.send(buf, peers[r ^ 1])
+                dist.recv(buf, peers[r ^ 1])
+            else:
+                dist.recv(buf, peers[r ^ 1])
+                dist.send(buf, peers[r ^ 1])
+            times.append(time.perf_counter() - start)
+    one_way = torch.tensor([statistics.median(times) / 2 if times else 0.0])
+    dist.all_reduce(one_way, op=dist.ReduceOp.MAX)
+    return float(one_way)
+
+
+def _train(rank: int, cfg: TrainConfig, group) -> dict:
+    """Its stages' first gradients and final weights by parameter name (EP rank 0 reports them
+    for its group: the experts gathered, the rest summed over the group), each step's loss
+    share, time, computations' intervals, peak activations and bytes exchanged."""
+    r, d = rank % cfg.pp, rank // cfg.pp
     schedule = cfg.schedule()
     model = build_model(cfg.model, cfg.seed)
     stages = split_stages(model, schedule.num_stages)
-    mine = {s: stages[s] for s, r in enumerate(schedule.stage_rank) if r == rank}
+    mine = {s: stages[s] for s, owner in enumerate(schedule.stage_rank) if owner == r}
+    ep = EPGroup(d, cfg.ep, group)
+    for stage in mine.values():
+        for block in stage.blocks:
+            block.moe.shard(ep)
     ids_of_mine = {id(p) for st in mine.values() for p in st.parameters()}
     named = [(n, p) for n, p in model.named_parameters() if id(p) in ids_of_mine]
     opt = torch.optim.SGD([p for _, p in named], lr=cfg.lr)
     shape = (cfg.microbatch_size, cfg.seq_len, cfg.model.hidden)
-    executor = RankExecutor(schedule, rank, mine, shape)
-    out = {"losses": [], "seconds": [], "grads": {}, "spans": []}
+    peers = [d * cfg.pp + q for q in range(cfg.pp)]
+    executor = RankExecutor(schedule, r, mine, shape, peers, cfg.fb_overlap,
+                            num_total=cfg.num_microbatches * cfg.ep)  # fmt: skip
+    n = cfg.num_microbatches
+    out = {"losses": [], "seconds": [], "grads": {}, "spans": [], "peak_bytes": [],
+           "peak_chunks": [], "a2a_bytes": [], "p2p": measure_p2p(cfg, rank, peers)}  # fmt: skip
     for step in range(cfg.steps):
         opt.zero_grad()
+        ids, labels = batches(cfg, step)
         dist.barrier()
+        before = ep.bytes_exchanged
         start = time.perf_counter()
-        record = executor.step(*batches(cfg, step))
+        record = executor.step(ids[d * n : (d + 1) * n], labels[d * n : (d + 1) * n])
         out["seconds"].append(time.perf_counter() - start)
+        out["a2a_bytes"].append(ep.bytes_exchanged - before)
         out["losses"].append(record.loss)
         out["spans"].append([(name, t0 - start, t1 - start) for name, t0, t1 in record.spans])
+        out["peak_bytes"].append(record.peak_bytes)
+        out["peak_chunks"].append(record.peak_chunks)
+        if group is not None:  # data parallel over the EP group: sum the replicated gradients
+            for name, p in named:
+                if p.grad is not None and not name.endswith(EXPERT_PARAMS):
+                    dist.all_reduce(p.grad, group=group)
         if step == 0:
-            out["grads"] = {n: p.grad.numpy().copy() for n, p in named if p.grad is not None}
+            out["grads"] = _report(named, group, d, lambda p: p.grad)
         opt.step()
-    out["weights"] = {n: p.detach().numpy().copy() for n, p in named}
+    out["handovers"] = executor.threads.num_yields if executor.threads else 0
+    executor.close()
+    out["weights"] = _report(named, group, d, lambda p: p.detach())
+    return out
+
+
+def _report(named, group, d: int, get) -> dict:
+    """``get(p)`` by name on EP rank 0, experts gathered from the group; nothing elsewhere."""
+    out = {}
+    for name, p in named:
+        value = get(p)
+        if value is None:
+            continue
+        if group is not None and name.endswith(EXPERT_PARAMS):
+            parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, value.contiguous(), group=group)
+            value = torch.cat(parts)
+        if d == 0:
+            out[name] = value.numpy().copy()
     return out
 
 
@@ -121,24 +199,24 @@ def _main(rank: int, world: int, init_method: str, cfgs: list[TrainConfig], resu
 
 
 def run(cfgs: list[TrainConfig]) -> list[list[dict]]:
-    """Per run of ``cfgs`` (all of one PP), every rank's result: one spawned process per rank
-    on this machine, for all the runs."""
-    pp = cfgs[0].pp
-    if any(cfg.pp != pp for cfg in cfgs):
-        raise ValueError("the runs of one launch share their pipeline size")
+    """Per run of ``cfgs`` (all of one PP and EP), every rank's result: one spawned process per
+    rank on this machine, for all the runs."""
+    pp, ep = cfgs[0].pp, cfgs[0].ep
+    if any((cfg.pp, cfg.ep) != (pp, ep) for cfg in cfgs):
+        raise ValueError("the runs of one launch share their pipeline and EP sizes")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_main, args=(r, pp, init_method, cfgs, results))
-             for r in range(pp)]  # fmt: skip
+    procs = [ctx.Process(target=_main, args=(r, pp * ep, init_method, cfgs, results))
+             for r in range(pp * ep)]  # fmt: skip
     for p in procs:
         p.start()
     out = dict(results.get(timeout=600) for _ in procs)
     for p in procs:
         p.join()
-    return [[out[r][i] for r in range(pp)] for i in range(len(cfgs))]
+    return [[out[r][i] for r in range(pp * ep)] for i in range(len(cfgs))]
 
 
 def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
@@ -160,56 +238,121 @@ def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
     return out
 
 
-def bubble_report(cfg: TrainConfig, ranks: list[dict], step: int) -> list[tuple[float, float]]:
-    """Per rank, (measured bubble, simulated bubble) of ``step`` in seconds: the step's time
-    minus the rank's computing time, against the simulator's bubble for the step's median
-    costs of F, B (whole) and W (a split backward's share)."""
-    by_kind: dict[str, list[float]] = {"F": [], "B": [], "Bi": [], "W": []}
+def _kind(name: str) -> str:
+    """A span's kind: F, B, Bi (a split backward), W, or FB (an overlapped pair)."""
+    return "FB" if name.startswith("(") else name.split("@")[0].rstrip("0123456789")
+
+
+def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
+    """The run's figures: each step's loss and time; from the steps after the first, the
+    median step time, each computation kind's median cost, and per pipeline rank (of EP rank
+    0) the bubble measured from its own timeline (the step's time minus its computing time)
+    against the simulator's bubble for those costs and the measured message time, and the
+    peak activations kept (bytes and chunks) against the simulator's peak chunks."""
+    steps = range(1 if cfg.steps > 1 else 0, cfg.steps)
+    seconds = [max(r["seconds"][i] for r in ranks) for i in range(cfg.steps)]
+    costs: dict[str, list[float]] = {"F": [], "B": [], "Bi": [], "W": [], "FB": []}
     for r in ranks:
-        for name, t0, t1 in r["spans"][step]:
-            by_kind[name.split("@")[0].rstrip("0123456789")].append(t1 - t0)
-    med = {k: statistics.median(v) if v else 0.0 for k, v in by_kind.items()}
-    whole = med["B"] or med["Bi"] + med["W"]
-    timeline = simulate(cfg.schedule(), Costs(F=med["F"], B=whole, W=med["W"]))
-    out = []
-    for r, predicted in zip(ranks, timeline.bubbles()):
-        busy = sum(t1 - t0 for _, t0, t1 in r["spans"][step])
-        out.append((max(x["seconds"][step] for x in ranks) - busy, predicted))
-    return out
+        for i in steps:
+            for name, t0, t1 in r["spans"][i]:
+                costs[_kind(name)].append(t1 - t0)
+    med = {k: statistics.median(v) for k, v in costs.items() if v}
+    schedule = cfg.schedule()
+    timeline = simulate(schedule, Costs(
+        F=med["F"], B=med.get("B", med.get("Bi", 0.0) + med.get("W", 0.0)), W=med.get("W", 0.0),
+        Bi=med.get("Bi"), FB=med.get("FB"), p2p=ranks[0]["p2p"]))  # fmt: skip
+    per_rank = []
+    for r, simulated, sim_peak in zip(ranks, timeline.bubbles(), timeline.peak_activations()):
+        bubble = statistics.median(
+            seconds[i] - sum(t1 - t0 for _, t0, t1 in r["spans"][i]) for i in steps
+        )
+        per_rank.append({
+            "bubble": bubble, "simulated_bubble": simulated,
+            "peak_bytes": max(r["peak_bytes"]), "peak_chunks": max(r["peak_chunks"]),
+            "simulated_peak_chunks": sim_peak,
+            "a2a_bytes_per_step": statistics.median(r["a2a_bytes"][i] for i in steps),
+        })  # fmt: skip
+    return {
+        "method": cfg.method, "pp": cfg.pp, "ep": cfg.ep, "num_microbatches":
+        cfg.num_microbatches, "dw_detach": cfg.dw_detach, "fb_overlap": cfg.fb_overlap,
+        "losses": [sum(r["losses"][i] for r in ranks) for i in range(cfg.steps)],
+        "step_seconds": seconds, "median_step": statistics.median(seconds[i] for i in steps),
+        "costs": med, "p2p": ranks[0]["p2p"], "simulated_step": timeline.makespan,
+        "ranks": per_rank,
+    }  # fmt: skip
+
+
+def print_summary(s: dict) -> None:
+    for i, (loss, sec) in enumerate(zip(s["losses"], s["step_seconds"])):
+        print(f"step {i}: loss {loss:.6f}, {sec * 1e3:.1f} ms")
+    costs = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in s["costs"].items())
+    print(f"median costs (ms): {costs}; p2p {s['p2p'] * 1e3:.2f}; step {s['median_step'] * 1e3:.1f}"
+          f" measured, {s['simulated_step'] * 1e3:.1f} simulated")  # fmt: skip
+    for rank, r in enumerate(s["ranks"]):
+        print(f"rank {rank}: bubble {r['bubble'] * 1e3:.1f} ms measured, "
+              f"{r['simulated_bubble'] * 1e3:.1f} ms simulated; peak activations "
+              f"{r['peak_bytes'] / 2**20:.2f} MiB in {r['peak_chunks']} chunks "
+              f"(simulated {r['simulated_peak_chunks']}); all-to-all "
+              f"{r['a2a_bytes_per_step'] / 2**20:.2f} MiB a step")  # fmt: skip
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_schedule_args(p, pp=2, n=4)
-    p.add_argument("--moe-fb-overlap", action="store_true")
+    p.add_argument("--moe-fb-overlap", action="store_true",
+                   help="run each F&B pair's forward and backward interleaved at their "
+                   "all-to-alls (dualpipev)")  # fmt: skip
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP group size at each pipeline position (ranks: PP × EP)")
     p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=32)
+    p.add_argument("--moe-intermediate-size", type=int, default=48)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--check", action="store_true", help="compare with the one-process run")
+    p.add_argument("--json", help="write the summary here")
+    p.add_argument("--rank", type=int, help="run this global rank only (one process per node)")
+    p.add_argument("--dist-init-addr", help="HOST:PORT of rank 0, with --rank")
     args = p.parse_args(argv)
-    if args.moe_fb_overlap:
-        p.error("--moe-fb-overlap: the forward/backward overlap is not built yet")
     pp, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
+    if args.moe_fb_overlap and args.schedules_method != "dualpipev":
+        p.error("--moe-fb-overlap overlaps the F&B pairs of --schedules-method dualpipev; "
+                f"{args.schedules_method} has none")  # fmt: skip
     stages = 2 * pp if args.schedules_method == "dualpipev" else pp * v
     if args.num_layers % stages:
         p.error(f"--num-layers {args.num_layers} must be a multiple of the {stages} stages")
+    if ep < 1 or args.num_experts % ep:
+        p.error(f"--num-experts {args.num_experts} must split over "
+                f"--expert-model-parallel-size {ep}")  # fmt: skip
+    if (args.rank is None) != (args.dist_init_addr is None):
+        p.error("--rank and --dist-init-addr go together")
+    model = ModelConfig(layers=args.num_layers, hidden=args.hidden_size, experts=args.num_experts,
+                        intermediate=args.moe_intermediate_size)  # fmt: skip
     cfg = TrainConfig(args.schedules_method, pp, args.num_micro_batches, v,
-                      args.dualpipev_dw_detach, args.steps,
-                      model=ModelConfig(layers=args.num_layers))  # fmt: skip
+                      args.dualpipev_dw_detach, ep, args.moe_fb_overlap, args.steps,
+                      args.micro_batch_size, args.seq_length, model=model)  # fmt: skip
     try:
         cfg.schedule()
     except ValueError as e:
         p.error(str(e))
-    ranks = run([cfg])[0]
-    for step in range(cfg.steps):
-        loss = sum(r["losses"][step] for r in ranks)
-        seconds = max(r["seconds"][step] for r in ranks)
-        print(f"step {step}: loss {loss:.6f}, {seconds * 1e3:.1f} ms")
-    for rank, (measured, predicted) in enumerate(bubble_report(cfg, ranks, cfg.steps - 1)):
-        print(f"rank {rank}: bubble {measured * 1e3:.1f} ms measured, "
-              f"{predicted * 1e3:.1f} ms simulated from the step's median costs")  # fmt: skip
+    if args.rank is None:
+        ranks = run([cfg])[0]
+    else:
+        every = train_rank(args.rank, pp * ep, f"tcp://{args.dist_init_addr}", [cfg], True)
+        if every is None:
+            return
+        ranks = [results[0] for results in every]
+    summary = summarize(cfg, ranks)
+    print_summary(summary)
     if args.check:
-        diff = max_relative_difference(ranks, reference(cfg))
-        print(f"max relative difference to one process: {diff}")
+        summary["check"] = max_relative_difference(ranks, reference(cfg))
+        print(f"max relative difference to one process: {summary['check']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ them; any other batch goes straight to the model. It needs nothing from the mode
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import weakref
@@ -199,12 +200,11 @@ def _serve(inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
         del job  # hold nothing between steps
 
 
-def _run_job(fn: Callable[..., Any], ctx: UBatchContext, setup: _ThreadSetup) -> Any:
-    """``fn`` on the context's batch, or the error it raised (the caller raises it)."""
+def _run_job(fn: Callable[[], Any], ctx: UBatchContext, setup: _ThreadSetup) -> Any:
+    """``fn()`` inside the context, or the error it raised (the caller raises it)."""
     try:
         with ctx, setup.enter(ctx):
-            batch = ctx.forward_batch
-            return fn(batch.input_ids, batch.positions, batch)
+            return fn()
     except BaseException as error:
         return error
 
@@ -227,39 +227,33 @@ def _stop(workers: list[_Worker]) -> None:
             worker.thread.join(timeout=10.0)
 
 
-class UBatchWrapper:
-    """Runs ``model`` once per micro-batch of a DBO step, each in its worker thread (see the
-    module docstring). The threads start at the first DBO step and are reused; ``close`` (or
-    the wrapper's collection) stops them. ``num_steps`` / ``num_yields``: DBO steps run and
-    hand-overs made, for the benchmarks."""
+class UBatchThreads:
+    """Two worker threads that run one job each per call, ping-ponging at the yields. They
+    start at the first call and are reused; ``close`` (or the object's collection) stops them.
+    ``num_steps`` / ``num_yields``: calls made and hand-overs made, for the benchmarks."""
 
-    def __init__(self, model: Callable[..., torch.Tensor]):
-        self.model = model
+    def __init__(self) -> None:
         self._workers: list[_Worker] = []
         self._finalizer: weakref.finalize | None = None
         self.num_steps = 0
         self.num_yields = 0
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        children = batch.tbo_children
-        if not getattr(batch, "dbo", False) or not children:
-            return self.model(input_ids, positions, batch)
-        return torch.cat(self.run(children))
-
-    def run(self, batches: list) -> list[Any]:
-        """``model`` on each batch, in the worker threads, ping-ponging at the yields; the
-        outputs in order. An error in either thread is raised here (the other runs on alone
-        to its end, so every rank's collectives still complete)."""
-        device = batches[0].input_ids.device
-        contexts = make_ubatch_contexts(batches, device)
+    def run(
+        self, jobs: list[Callable[[], Any]], device: torch.device, batches: list | None = None
+    ) -> list[Any]:
+        """Each job in its worker thread, the first one's turn first; their results in order.
+        ``batches``: what each context carries as its ``forward_batch``. An error in either
+        thread is raised here (the other runs on alone to its end, so every rank's collectives
+        still complete)."""
+        contexts = make_ubatch_contexts(batches or [None] * len(jobs), device)
         setup = _ThreadSetup(device)
         main = torch.cuda.current_stream(device) if device.type == "cuda" else None
         for ctx in contexts:
             if ctx.stream is not None:
                 ctx.stream.wait_stream(main)
         workers = self._start()
-        for worker, ctx in zip(workers, contexts):
-            worker.inbox.put((self.model, ctx, setup))
+        for worker, job, ctx in zip(workers, jobs, contexts):
+            worker.inbox.put((job, ctx, setup))
         outs = [worker.outbox.get() for worker in workers]
         for ctx in contexts:
             if ctx.stream is not None:
@@ -278,7 +272,40 @@ class UBatchWrapper:
         return self._workers
 
     def close(self) -> None:
-        """Stop the worker threads (a later DBO step starts new ones)."""
+        """Stop the worker threads (a later call starts new ones)."""
         if self._finalizer is not None:
             self._finalizer()
         self._workers, self._finalizer = [], None
+
+
+class UBatchWrapper:
+    """Runs ``model`` once per micro-batch of a DBO step, each in its worker thread (see the
+    module docstring), through ``UBatchThreads``. ``num_steps`` / ``num_yields``: DBO steps
+    run and hand-overs made, for the benchmarks."""
+
+    def __init__(self, model: Callable[..., torch.Tensor]):
+        self.model = model
+        self.threads = UBatchThreads()
+
+    @property
+    def num_steps(self) -> int:
+        return self.threads.num_steps
+
+    @property
+    def num_yields(self) -> int:
+        return self.threads.num_yields
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        children = batch.tbo_children
+        if not getattr(batch, "dbo", False) or not children:
+            return self.model(input_ids, positions, batch)
+        return torch.cat(self.run(children))
+
+    def run(self, batches: list) -> list[Any]:
+        """``model`` on each batch, in the worker threads; the outputs in order."""
+        jobs = [functools.partial(self.model, b.input_ids, b.positions, b) for b in batches]
+        return self.threads.run(jobs, batches[0].input_ids.device, batches)
+
+    def close(self) -> None:
+        """Stop the worker threads (a later DBO step starts new ones)."""
+        self.threads.close()
