@@ -31,6 +31,7 @@ from srt.batch_overlap.ubatching import (
     dbo_yield,
 )
 from srt.distributed.p2p import PendingWork
+from srt.layers.moe.token_dispatcher.torch_a2a import DuplexAllToAll
 
 
 @dataclass
@@ -40,9 +41,15 @@ class EPGroup:
 
     rank: int = 0
     size: int = 1
-    group: ProcessGroup | None = None
+    groups: tuple[ProcessGroup, ...] = ()  # payloads (one, or two split by link direction)
+    counts_group: ProcessGroup | None = None  # the row counts' exchange, beside the payloads
     bytes_exchanged: int = 0
     num_exchanges: int = 0
+
+    def __post_init__(self) -> None:
+        # srt's exchange over one group, or over two by link direction (a gloo group carries
+        # one direction of a link at a time); every payload here splits, the same on all ranks
+        self.a2a = DuplexAllToAll(self.groups, self.rank, self.size, 0) if self.groups else None
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], ep: EPGroup):
@@ -51,12 +58,11 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], ep: E
     dbo_maybe_run_recv_hook()  # the other thread's exchange lands before this one goes
     ep.bytes_exchanged += x.numel() * x.element_size()
     ep.num_exchanges += 1
-    if ep.group is None:
+    if ep.a2a is None:
         out, work = x.clone(), PendingWork([])
     else:
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        work = PendingWork([dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits,
-                                                   group=ep.group, async_op=True)])  # fmt: skip
+        work = ep.a2a.launch(out, x.contiguous(), out_splits, in_splits, link_bytes=0)
     dbo_register_recv_hook(work.wait)
     dbo_yield()
     work.wait()
@@ -78,11 +84,13 @@ class AllToAll(torch.autograd.Function):
 
 
 def exchange_counts(send: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-    """Each rank's row count for every rank → the counts every rank sends here (blocking)."""
-    if ep.group is None:
+    """Each rank's row count for every rank → the counts every rank sends here. Blocking and
+    without a hand-over (nothing to compute between it and its payload), on a group of its own
+    so that it does not queue behind the other thread's payload in flight."""
+    if ep.counts_group is None:
         return send.clone()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=ep.group)
+    dist.all_to_all_single(recv, send, group=ep.counts_group)
     return recv
 
 

@@ -1,20 +1,23 @@
 """Run one rank's part of a schedule on torch.distributed (gloo on CPU, nccl on CUDA).
 
-Each action of the rank's list, in order: a receive posts ``irecv`` and waits (the schedule
-places it right before the computation that needs it); a send posts ``isend`` (waited at the
-end of the step); F runs the stage's forward with autograd, the last stage adding the loss; B
-runs its backward: a whole one with ``torch.autograd.backward`` (input and weight gradients), a
-split one (``split_w``) for the input gradient only (``inputs=[input]``, the graph kept), its
-weight gradients deferred to the W that names it (DeepSeek's ``WeightGradStore``: a store of
-pending closures); an F&B pair runs its forward then its backward, or with ``fb_overlap``
-(``--moe-fb-overlap``) the two in the ubatch threads of dual-batch overlap, handing over at
-every MoE all-to-all (``pipeline/ep.py``), so that one's exchange is in flight while the other
-computes. Gradients accumulate in the parameters' ``.grad`` over the micro-batches, as a single
-process running them one by one.
+Each action of the rank's list, in order:
+- a receive waits for its ``irecv`` (all of the step's are posted at its start; the schedule
+  places the wait right before the computation that needs it); a send posts ``isend``
+  (waited at the end of the step);
+- F runs the stage's forward with autograd, the last stage adding the loss;
+- B runs its backward: a whole one with ``torch.autograd.backward`` (input and weight
+  gradients), a split one (``split_w``) for the input gradient only (``inputs=[input]``, the
+  graph kept), its weight gradients deferred to the W that names it (DeepSeek's
+  ``WeightGradStore``: a store of pending closures);
+- an F&B pair runs its forward then its backward, or with ``fb_overlap`` (``--moe-fb-overlap``)
+  the two in the ubatch threads of dual-batch overlap, handing over at every MoE all-to-all
+  (``pipeline/ep.py``), so that one's exchange is in flight while the other computes.
 
-The executor also tallies the activations its forwards keep for their backwards (the tensors
-autograd saves, parameters left out, each storage once per chunk): a chunk's count from its F
-until its whole B or its W, the rank's peak over the step in bytes and in chunks.
+Gradients accumulate in the parameters' ``.grad`` over the micro-batches, as a single process
+running them one by one. The executor also tallies the activations its forwards keep for their
+backwards (the tensors autograd saves, parameters left out, each storage once per chunk): a
+chunk's count from its F until its whole B or its W, the rank's peak over the step in bytes
+and in chunks.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class RankExecutor:
         self._live: dict[tuple[int, int], int] = {}  # activation bytes per (stage, mb)
         self._sends, record = [], StepRecord()
         self._record = record
+        self._recvs = self._post_receives()
         for action in self.schedule.ranks[self.rank]:
             if isinstance(action, Comm):
                 self._comm(action)
@@ -105,9 +109,21 @@ class RankExecutor:
             work = dist.isend(tensor, self.peers[c.peer], tag=tag)
             self._sends.append((work, tensor))  # the tensor lives until the send is done
             return
-        buf = torch.empty(self.shape, dtype=torch.float32)
-        dist.irecv(buf, self.peers[c.peer], tag=tag).wait()
+        work, buf = self._recvs.pop((c.what, c.stage, c.mb))
+        work.wait()
         self._inbox[(c.what, c.stage, c.mb)] = buf
+
+    def _post_receives(self) -> dict:
+        """Every receive of the step, posted at its start: gloo moves a message once its
+        receive is posted, so a receive posted only when its computation is next would expose
+        the whole transfer; posted early, it arrives while the rank computes."""
+        out = {}
+        for c in self.schedule.ranks[self.rank]:
+            if isinstance(c, Comm) and c.kind == "recv":
+                buf = torch.empty(self.shape, dtype=torch.float32)
+                tag = self._tag(c.what, c.stage, c.mb)
+                out[(c.what, c.stage, c.mb)] = (dist.irecv(buf, self.peers[c.peer], tag=tag), buf)
+        return out
 
     def _timed(self, c: Compute) -> None:
         start = time.perf_counter()

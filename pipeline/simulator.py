@@ -7,7 +7,9 @@ Costs are per action of one stage (a chunk): F, B (a whole backward: input and w
 gradients), W (the weight-gradient part, so a split backward costs B − W), FB (an F&B pair run
 overlapped; default F + B, no overlap), p2p (a message's transfer), a2a (the MoE all-to-all of
 one forward or one backward, exposed in F and B alone; an F&B pair's cost says how much of its
-two stays exposed). Messages are asynchronous sends and blocking receives.
+two stays exposed). ``by_stage`` overrides them per action kind and stage (``cost_key``), and
+``by_action`` per action (its name), for costs measured. Messages are asynchronous sends and
+blocking receives.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ class ScheduleError(ValueError):
     """A schedule that cannot run as written."""
 
 
+def cost_key(action: Compute | Pair) -> str:
+    """``F@s1``, ``B@s2``, ``Bi@s2`` (a split backward), ``W@s2``, ``FB@s0,s3`` (a pair)."""
+    if isinstance(action, Pair):
+        return f"FB@s{action.f.stage},s{action.b.stage}"
+    return f"{action.kind}{'i' if action.split_w else ''}@s{action.stage}"
+
+
 @dataclass(frozen=True)
 class Costs:
     F: float = 1.0
@@ -31,8 +40,14 @@ class Costs:
     p2p: float = 0.0
     a2a: float = 0.0
     Bi: float | None = None  # a split backward (input gradient only); B − W when None
+    by_stage: dict[str, float] = field(default_factory=dict)  # cost_key → cost
+    by_action: dict[str, float] = field(default_factory=dict)  # str(action) → cost
 
     def of(self, action: Compute | Pair) -> float:
+        if (cost := self.by_action.get(str(action))) is not None:
+            return cost
+        if (cost := self.by_stage.get(cost_key(action))) is not None:
+            return cost
         if isinstance(action, Pair):
             return self.FB if self.FB is not None else self.of(action.f) + self.of(action.b)
         if action.kind == "F":

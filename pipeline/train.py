@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import re
 import socket
 import statistics
 import time
@@ -96,8 +97,9 @@ def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig],
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         pp, ep = cfgs[0].pp, cfgs[0].ep
-        groups = [dist.new_group([d * pp + r for d in range(ep)]) if ep > 1 else None
-                  for r in range(pp)]  # fmt: skip
+        # per pipeline position: two payload groups (one per link direction) and the counts'
+        groups = [[dist.new_group([d * pp + r for d in range(ep)]) for _ in range(3)]
+                  if ep > 1 else [] for r in range(pp)]  # fmt: skip
         out = [_train(rank, cfg, groups[rank % pp]) for cfg in cfgs]
         if not gather:
             return out
@@ -108,28 +110,34 @@ def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig],
         dist.destroy_process_group()
 
 
-def measure_p2p(cfg: TrainConfig, rank: int, peers: list[int], repeats: int = 5) -> float:
-    """One activation's time from a pipeline rank to its neighbour (half the median round trip
-    between pipeline ranks 2i and 2i + 1), the largest over the world's pairs."""
+def measure_p2p(cfg: TrainConfig, rank: int, peers: list[int], repeats: int = 3,
+                burst: int = 8) -> float:  # fmt: skip
+    """One activation's time from a pipeline rank to its neighbour on a busy link: pipeline
+    rank 2i sends ``burst`` of them back to back to rank 2i + 1, which acknowledges; the time
+    per message (median over the repeats; a lone message on an idle link would ride the
+    link's burst allowance), the largest over the world's pairs."""
     r = rank % cfg.pp
-    buf = torch.zeros(cfg.microbatch_size, cfg.seq_len, cfg.model.hidden)
-    times = []
+    msgs = [torch.zeros(cfg.microbatch_size, cfg.seq_len, cfg.model.hidden) for _ in range(burst)]
+    ack, times = torch.zeros(1), []
     if r ^ 1 < cfg.pp:
+        peer = peers[r ^ 1]
         for _ in range(repeats):
             start = time.perf_counter()
             if r % 2 == 0:
-                dist.send(buf, peers[r ^ 1])
-                dist.recv(buf, peers[r ^ 1])
+                for work in [dist.isend(m, peer, tag=i) for i, m in enumerate(msgs)]:
+                    work.wait()
+                dist.recv(ack, peer, tag=burst)
             else:
-                dist.recv(buf, peers[r ^ 1])
-                dist.send(buf, peers[r ^ 1])
-            times.append(time.perf_counter() - start)
-    one_way = torch.tensor([statistics.median(times) / 2 if times else 0.0])
-    dist.all_reduce(one_way, op=dist.ReduceOp.MAX)
-    return float(one_way)
+                for work in [dist.irecv(m, peer, tag=i) for i, m in enumerate(msgs)]:
+                    work.wait()
+                dist.send(ack, peer, tag=burst)
+            times.append((time.perf_counter() - start) / burst)
+    per_message = torch.tensor([statistics.median(times) if times else 0.0])
+    dist.all_reduce(per_message, op=dist.ReduceOp.MAX)
+    return float(per_message)
 
 
-def _train(rank: int, cfg: TrainConfig, group) -> dict:
+def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
     """Its stages' first gradients and final weights by parameter name (EP rank 0 reports them
     for its group: the experts gathered, the rest summed over the group), each step's loss
     share, time, computations' intervals, peak activations and bytes exchanged."""
@@ -138,7 +146,8 @@ def _train(rank: int, cfg: TrainConfig, group) -> dict:
     model = build_model(cfg.model, cfg.seed)
     stages = split_stages(model, schedule.num_stages)
     mine = {s: stages[s] for s, owner in enumerate(schedule.stage_rank) if owner == r}
-    ep = EPGroup(d, cfg.ep, group)
+    ep = EPGroup(d, cfg.ep, tuple(groups[:2]), groups[2] if groups else None)
+    group = groups[0] if groups else None
     for stage in mine.values():
         for block in stage.blocks:
             block.moe.shard(ep)
@@ -238,46 +247,63 @@ def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
     return out
 
 
-def _kind(name: str) -> str:
-    """A span's kind: F, B, Bi (a split backward), W, or FB (an overlapped pair)."""
-    return "FB" if name.startswith("(") else name.split("@")[0].rstrip("0123456789")
+def _cost_key(name: str) -> str:
+    """A span's ``cost_key`` from its action's name (``Bi3@s2`` → ``Bi@s2``, ``(F3@s0&B1@s3)``
+    → ``FB@s0,s3``)."""
+    parts = [re.fullmatch(r"([A-Za-z]+)\d+@s(\d+)", p) for p in name.strip("()").split("&")]
+    if len(parts) == 2:
+        return f"FB@s{parts[0][2]},s{parts[1][2]}"
+    return f"{parts[0][1]}@s{parts[0][2]}"
 
 
 def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
     """The run's figures: each step's loss and time; from the steps after the first, the
     median step time, each computation kind's median cost, and per pipeline rank (of EP rank
     0) the bubble measured from its own timeline (the step's time minus its computing time)
-    against the simulator's bubble for those costs and the measured message time, and the
-    peak activations kept (bytes and chunks) against the simulator's peak chunks."""
+    against two simulations of the schedule with the measured message time: ``replayed``,
+    each step's every action costing what it measured in that step, so that only the waits
+    the schedule implies are left to differ (the median over the steps); ``modelled``, every
+    action of a kind and stage costing that kind's and stage's median. And the peak
+    activations kept (bytes and chunks) against the simulator's peak chunks."""
     steps = range(1 if cfg.steps > 1 else 0, cfg.steps)
     seconds = [max(r["seconds"][i] for r in ranks) for i in range(cfg.steps)]
-    costs: dict[str, list[float]] = {"F": [], "B": [], "Bi": [], "W": [], "FB": []}
-    for r in ranks:
+    pipeline_ranks = ranks[: cfg.pp]  # EP rank 0's
+    by_action: dict[str, list[float]] = {}
+    for r in pipeline_ranks:
         for i in steps:
             for name, t0, t1 in r["spans"][i]:
-                costs[_kind(name)].append(t1 - t0)
-    med = {k: statistics.median(v) for k, v in costs.items() if v}
-    schedule = cfg.schedule()
-    timeline = simulate(schedule, Costs(
-        F=med["F"], B=med.get("B", med.get("Bi", 0.0) + med.get("W", 0.0)), W=med.get("W", 0.0),
-        Bi=med.get("Bi"), FB=med.get("FB"), p2p=ranks[0]["p2p"]))  # fmt: skip
+                by_action.setdefault(name, []).append(t1 - t0)
+    by_stage: dict[str, list[float]] = {}
+    by_kind: dict[str, list[float]] = {}
+    for name, v in by_action.items():
+        key = _cost_key(name)
+        by_stage.setdefault(key, []).extend(v)
+        by_kind.setdefault(key.split("@")[0], []).extend(v)
+    median = statistics.median
+    schedule, p2p = cfg.schedule(), ranks[0]["p2p"]
+    replayed = [simulate(schedule, Costs(p2p=p2p, by_action={
+        name: t1 - t0 for r in pipeline_ranks for name, t0, t1 in r["spans"][i]}))
+        for i in steps]  # fmt: skip
+    modelled = simulate(schedule, Costs(p2p=p2p, by_stage={k: median(v) for k, v in
+                                                             by_stage.items()}))  # fmt: skip
     per_rank = []
-    for r, simulated, sim_peak in zip(ranks, timeline.bubbles(), timeline.peak_activations()):
-        bubble = statistics.median(
-            seconds[i] - sum(t1 - t0 for _, t0, t1 in r["spans"][i]) for i in steps
-        )
+    for q, r in enumerate(pipeline_ranks):
+        bubble = median(seconds[i] - sum(t1 - t0 for _, t0, t1 in r["spans"][i]) for i in steps)
         per_rank.append({
-            "bubble": bubble, "simulated_bubble": simulated,
+            "bubble": bubble, "replayed_bubble": median(t.bubbles()[q] for t in replayed),
+            "modelled_bubble": modelled.bubbles()[q],
             "peak_bytes": max(r["peak_bytes"]), "peak_chunks": max(r["peak_chunks"]),
-            "simulated_peak_chunks": sim_peak,
-            "a2a_bytes_per_step": statistics.median(r["a2a_bytes"][i] for i in steps),
+            "simulated_peak_chunks": modelled.peak_activations()[q],
+            "a2a_bytes_per_step": median(r["a2a_bytes"][i] for i in steps),
         })  # fmt: skip
     return {
         "method": cfg.method, "pp": cfg.pp, "ep": cfg.ep, "num_microbatches":
         cfg.num_microbatches, "dw_detach": cfg.dw_detach, "fb_overlap": cfg.fb_overlap,
         "losses": [sum(r["losses"][i] for r in ranks) for i in range(cfg.steps)],
-        "step_seconds": seconds, "median_step": statistics.median(seconds[i] for i in steps),
-        "costs": med, "p2p": ranks[0]["p2p"], "simulated_step": timeline.makespan,
+        "step_seconds": seconds, "median_step": median(seconds[i] for i in steps),
+        "costs": {k: median(v) for k, v in by_kind.items()}, "p2p": p2p,
+        "replayed_step": median(t.makespan for t in replayed), "modelled_step":
+        modelled.makespan,
         "ranks": per_rank,
     }  # fmt: skip
 
@@ -287,10 +313,12 @@ def print_summary(s: dict) -> None:
         print(f"step {i}: loss {loss:.6f}, {sec * 1e3:.1f} ms")
     costs = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in s["costs"].items())
     print(f"median costs (ms): {costs}; p2p {s['p2p'] * 1e3:.2f}; step {s['median_step'] * 1e3:.1f}"
-          f" measured, {s['simulated_step'] * 1e3:.1f} simulated")  # fmt: skip
+          f" measured, {s['replayed_step'] * 1e3:.1f} replayed, {s['modelled_step'] * 1e3:.1f}"
+          " modelled")  # fmt: skip
     for rank, r in enumerate(s["ranks"]):
         print(f"rank {rank}: bubble {r['bubble'] * 1e3:.1f} ms measured, "
-              f"{r['simulated_bubble'] * 1e3:.1f} ms simulated; peak activations "
+              f"{r['replayed_bubble'] * 1e3:.1f} replayed, {r['modelled_bubble'] * 1e3:.1f} "
+              f"modelled; peak activations "
               f"{r['peak_bytes'] / 2**20:.2f} MiB in {r['peak_chunks']} chunks "
               f"(simulated {r['simulated_peak_chunks']}); all-to-all "
               f"{r['a2a_bytes_per_step'] / 2**20:.2f} MiB a step")  # fmt: skip
@@ -303,7 +331,7 @@ def main(argv=None) -> None:
                    help="run each F&B pair's forward and backward interleaved at their "
                    "all-to-alls (dualpipev)")  # fmt: skip
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP group size at each pipeline position (ranks: PP × EP)")
+                   help="EP group size at each pipeline position (ranks: PP × EP)")  # fmt: skip
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=32)
     p.add_argument("--moe-intermediate-size", type=int, default=48)
