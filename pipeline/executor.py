@@ -6,12 +6,15 @@ Each action of the rank's list, in order:
   (waited at the end of the step);
 - F runs the stage's forward with autograd, the last stage adding the loss;
 - B runs its backward: a whole one with ``torch.autograd.backward`` (input and weight
-  gradients), a split one (``split_w``) for the input gradient only (``inputs=[input]``, the
-  graph kept), its weight gradients deferred to the W that names it (DeepSeek's
-  ``WeightGradStore``: a store of pending closures);
+  gradients), a split one (``split_w``) for the input gradient only, its weight gradients
+  deferred to the W that names it (DeepSeek's ``WeightGradStore``: a store of pending
+  closures; the split is torch's ``stage_backward_input`` / ``stage_backward_weight``, which
+  keeps the gradients reaching the nodes where weights join, so that W runs only the weights'
+  own operations);
 - an F&B pair runs its forward then its backward, or with ``fb_overlap`` (``--moe-fb-overlap``)
-  the two in the ubatch threads of dual-batch overlap, handing over at every MoE all-to-all
-  (``pipeline/ep.py``), so that one's exchange is in flight while the other computes.
+  the two in the ubatch threads of dual-batch overlap, the backward first, handing over at
+  every MoE all-to-all (``pipeline/ep.py``), so that one's exchange is in flight while the
+  other computes.
 
 Gradients accumulate in the parameters' ``.grad`` over the micro-batches, as a single process
 running them one by one. The executor also tallies the activations its forwards keep for their
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from pipeline.model import Stage, loss_fn
 from pipeline.schedules import Comm, Compute, Pair, Schedule
@@ -84,8 +88,10 @@ class RankExecutor:
                 self._comm(action)
             elif isinstance(action, Pair) and self.threads is not None:
                 start = time.perf_counter()
-                jobs = [functools.partial(self._forward, action.f),
-                        functools.partial(self._backward, action.b)]  # fmt: skip
+                # the backward first: its first exchange (the last layer's combine) comes at
+                # once, and the forward's attention computes while it is in flight
+                jobs = [functools.partial(self._backward, action.b),
+                        functools.partial(self._forward, action.f)]  # fmt: skip
                 self.threads.run(jobs, torch.device("cpu"))
                 record.spans.append((str(action), start, time.perf_counter()))
             else:
@@ -147,10 +153,12 @@ class RankExecutor:
             if ptr not in self._params and ptr not in seen:
                 seen.add(ptr)
                 self._live[key] = self._live.get(key, 0) + t.untyped_storage().nbytes()
+                self._note_peak()
             return t
 
         key = (c.stage, c.mb)
         self._live[key] = 0
+        self._note_peak()
         if c.stage:  # the received activation is kept as the stage's input
             seen.add(inp.untyped_storage().data_ptr())
             self._live[key] = inp.untyped_storage().nbytes()
@@ -163,6 +171,9 @@ class RankExecutor:
         else:
             self._outputs[key] = out.detach()
         self._saved[key] = (inp, out)
+        self._note_peak()
+
+    def _note_peak(self) -> None:
         record = self._record
         record.peak_bytes = max(record.peak_bytes, sum(self._live.values()))
         record.peak_chunks = max(record.peak_chunks, len(self._live))
@@ -172,12 +183,18 @@ class RankExecutor:
         grad = None if c.stage == self.last else self._input("grad", c.stage + 1, c.mb)
         needs_input = c.stage > 0
         if c.split_w:
-            if needs_input:
-                torch.autograd.backward(out, grad, inputs=[inp], retain_graph=True)
             params = [p for p in self.stages[c.stage].parameters() if p.requires_grad]
-            self._weights[(c.stage, c.mb)] = lambda: torch.autograd.backward(
-                out, grad, inputs=params
-            )
+            if needs_input:
+                # torch's zero-bubble split: the input gradient now, the gradients reaching
+                # the nodes where weights join kept, so W runs only the weights' own ops (a W
+                # that backpropagated from the output again would redo the chunk's backward,
+                # its all-to-alls included)
+                _, groups = stage_backward_input([out], None if grad is None else [grad], [inp],
+                                                 params)  # fmt: skip
+                w = functools.partial(stage_backward_weight, params, groups)
+            else:  # token ids in: the whole backward is weight gradients
+                w = functools.partial(torch.autograd.backward, out, grad, inputs=params)
+            self._weights[(c.stage, c.mb)] = w
         else:
             torch.autograd.backward(out, grad)
             self._live.pop((c.stage, c.mb))

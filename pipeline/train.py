@@ -15,6 +15,7 @@ HOST:PORT`` runs one rank of a multi-node run (rank 0 prints the summary).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import re
@@ -107,6 +108,9 @@ def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig],
         dist.gather_object(out, every, dst=0)
         return every
     finally:
+        # nothing may hold a process group past its destruction: a gloo device that lives
+        # on to the interpreter's exit aborts it there
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -14,10 +14,13 @@ costs, and the activations it kept at most (bytes and chunks) against the simula
 
     python benchmark/cluster/emulated_pipeline.py --pp 2 --ep 2 --link-rate 200mbit
 
-Results: ``OUT/results.jsonl`` and ``OUT/results.md``; the last line is ``summary:
-dualpipev_fb_vs_1f1b=… bubble_error=…`` (step time of 1F1B over DualPipeV with fb-overlap and
-dW detach, and the largest relative gap between a measured and a simulated bubble, over the
-pipeline ranks' total bubble of each run).
+``--repeat K`` runs the list K times, the order reversed every other round (the machine
+drifts over minutes: compare within a round). Results: ``OUT/results.jsonl`` and
+``OUT/results.md``; the last line is ``summary: dualpipev_fb_vs_1f1b=…
+dualpipev_fb_dw_vs_1f1b=… bubble_error=…`` (step time of 1F1B over DualPipeV with fb-overlap,
+without and with dW detach, the median over the rounds of the ratio within a round; and the
+largest relative gap between the measured total bubble of a run's pipeline ranks and the one
+replayed by the simulator from the measured costs).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +39,7 @@ from benchmark.cluster.emulated_network import create_cluster, exit_on_signals
 
 DIST_PORT = 29710
 CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
-CFS_PERIOD_US = 2_000  # short, so that a throttled rank waits at most a millisecond or so
+CFS_PERIOD_US = 10_000  # the kernel hands out quota in slices of 5 ms: a shorter period starves
 # name → pipeline.train flags
 RUNS = {
     "1f1b": ["--schedules-method", "1f1b"],
@@ -62,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every run, the order reversed every other round")
     p.add_argument("--no-cpu-quota", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--out", help="results folder (default: a new temporary one)")
@@ -99,10 +105,10 @@ def quota_or_none(args, nodes: int, cores: int) -> CpuQuota | None:
         return None
 
 
-def run_one(args, cluster, quota: CpuQuota | None, name: str, out: Path) -> dict:
+def run_one(args, cluster, quota: CpuQuota | None, name: str, out: Path, tag: str) -> dict:
     nodes = args.pp * args.ep
     cores = sorted(os.sched_getaffinity(0))
-    result = out / f"{name}.json"
+    result = out / f"{name}_{tag}.json"
     result.unlink(missing_ok=True)
     procs, logs = [], []
     for i in range(nodes):
@@ -118,7 +124,7 @@ def run_one(args, cluster, quota: CpuQuota | None, name: str, out: Path) -> dict
                 "--rank", str(i), "--dist-init-addr", f"{cluster.addrs[0]}:{DIST_PORT}",
                 "--json", str(result)]  # fmt: skip
         argv = ["taskset", "-c", str(cores[i % len(cores)]), *argv]
-        logs.append(out / f"{name}_node{i}.log")
+        logs.append(out / f"{name}_{tag}_node{i}.log")
         with open(logs[-1], "w") as log:
             env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
             procs.append(cluster.popen(i, argv, env, stdout=log, stderr=subprocess.STDOUT))
@@ -132,8 +138,8 @@ def run_one(args, cluster, quota: CpuQuota | None, name: str, out: Path) -> dict
         if rc:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
             raise RuntimeError(f"{name}: {log.name} exited with {rc}:\n{tail}")
-    print((out / f"{name}_node0.log").read_text(), end="")
-    return {"name": name, **json.loads(result.read_text())}
+    print(logs[0].read_text(), end="")
+    return {"name": name, "round": tag, **json.loads(result.read_text())}
 
 
 def bubble_error(result: dict) -> float:
@@ -145,7 +151,7 @@ def bubble_error(result: dict) -> float:
 
 
 def table(results: list[dict]) -> str:
-    base = next((r["median_step"] for r in results if r["name"] == "1f1b"), None)
+    """One row per run; "vs 1F1B" against the 1F1B run of the same round."""
     lines = [
         "| run | step (ms) | vs 1F1B | F / B / Bi / W / F&B (ms) | bubble per rank: measured "
         "/ replayed / modelled (ms) | rank 0 peak activations: MiB, chunks (simulated) |",
@@ -157,9 +163,12 @@ def table(results: list[dict]) -> str:
         bubbles = ", ".join(f"{x['bubble'] * 1e3:.0f} / {x['replayed_bubble'] * 1e3:.0f} / "
                             f"{x['modelled_bubble'] * 1e3:.0f}" for x in r["ranks"])  # fmt: skip
         first = r["ranks"][0]
+        base = next((x["median_step"] for x in results
+                     if x["name"] == "1f1b" and x["round"] == r["round"]), None)  # fmt: skip
         speedup = f"{base / r['median_step']:.2f}×" if base else "–"
         lines.append(
-            f"| {r['name']} | {r['median_step'] * 1e3:.0f} | {speedup} | {costs} | {bubbles} | "
+            f"| {r['name']} ({r['round']}) | {r['median_step'] * 1e3:.0f} | {speedup} | {costs} | "
+            f"{bubbles} | "
             f"{first['peak_bytes'] / 2**20:.2f}, {first['peak_chunks']} "
             f"({first['simulated_peak_chunks']}) |"
         )
@@ -167,11 +176,19 @@ def table(results: list[dict]) -> str:
 
 
 def summary_line(results: list[dict]) -> str:
-    by = {r["name"]: r for r in results}
+    """Step-time ratios of 1F1B over DualPipeV with fb-overlap (and dW detach), each the
+    median over the rounds of the ratio within a round, and the largest bubble error."""
     parts = []
-    if "1f1b" in by and "dualpipev-fb-dw" in by:
-        ratio = by["1f1b"]["median_step"] / by["dualpipev-fb-dw"]["median_step"]
-        parts.append(f"dualpipev_fb_vs_1f1b={ratio:.3f}")
+    for name in ("dualpipev-fb", "dualpipev-fb-dw"):
+        ratios = []
+        for r in results:
+            base = next((x for x in results if x["name"] == "1f1b" and x["round"] == r["round"]),
+                        None)  # fmt: skip
+            if r["name"] == name and base is not None:
+                ratios.append(base["median_step"] / r["median_step"])
+        if ratios:
+            key = name.replace("dualpipev-", "dualpipev_").replace("-", "_")
+            parts.append(f"{key}_vs_1f1b={statistics.median(ratios):.3f}")
     parts.append(f"bubble_error={max(bubble_error(r) for r in results):.3f}")
     return "summary: " + " ".join(parts)
 
@@ -187,11 +204,12 @@ def main(argv=None) -> None:
         print(cluster.describe(), flush=True)
         quota = quota_or_none(args, nodes, len(os.sched_getaffinity(0)))
         try:
-            for name in args.runs:
-                print(f"== {name}", flush=True)
-                results.append(run_one(args, cluster, quota, name, out))
-                with open(out / "results.jsonl", "a") as f:
-                    f.write(json.dumps(results[-1]) + "\n")
+            for k in range(args.repeat):
+                for name in args.runs if k % 2 == 0 else args.runs[::-1]:
+                    print(f"== {name}, round {k + 1}", flush=True)
+                    results.append(run_one(args, cluster, quota, name, out, str(k + 1)))
+                    with open(out / "results.jsonl", "a") as f:
+                        f.write(json.dumps(results[-1]) + "\n")
         finally:
             if quota is not None:
                 quota.close()

@@ -260,6 +260,9 @@ class UBatchThreads:
                 main.wait_stream(ctx.stream)
         self.num_steps += 1
         self.num_yields += contexts[0]._baton.num_yields
+        for ctx in contexts:  # a hook left for a context that had ended: nobody runs it now
+            ctx.recv_hook = None
+        contexts[0]._baton.contexts = []  # the contexts and their baton refer to each other
         errors = [out for out in outs if isinstance(out, BaseException)]
         if errors:
             raise errors[0]
