@@ -250,8 +250,11 @@ class TokenizerManager:
         try:
             while True:
                 try:
-                    await asyncio.wait_for(state.event.wait(), DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
+                    # awaited in this task (wait_for would wrap it in a task of its own: two
+                    # more turns of the event loop before this stream writes its token)
+                    async with asyncio.timeout(DISCONNECT_CHECK_S):
+                        await state.event.wait()
+                except TimeoutError:
                     if self.fatal_error is not None:
                         raise ServerFailedError(self.fatal_error) from None
                     if request is not None and await request.is_disconnected():
@@ -376,6 +379,10 @@ class TokenizerManager:
             msg = await self.recv_from_detokenizer.recv()
             if isinstance(msg, BatchStrOutput):
                 self._handle_batch_output(msg)
+                # let the streams woken here write before the next message is read: a recv
+                # that finds a message queued returns without yielding to the event loop, so
+                # a burst of steps would otherwise reach a stream as one coalesced chunk
+                await asyncio.sleep(0)
             elif isinstance(msg, SchedulerFailure):
                 logger.error("%s", msg.message)
                 self.fail(msg.message)

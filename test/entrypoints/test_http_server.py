@@ -133,6 +133,9 @@ def test_generate_stream(http: httpx.Client, tokenizer) -> None:
     assert [e["meta_info"]["completion_tokens"] for e in events] == [
         len(e["output_ids"]) for e in events
     ]
+    # one event per token: a stream at low load is never coalesced (the front end writes each
+    # step's token before it reads the next step's message)
+    assert [len(e["output_ids"]) for e in events] == list(range(1, 11))
     plain = generate(http, text=PROMPTS[1], sampling_params=params)
     assert (final["text"], final["output_ids"]) == (plain["text"], plain["output_ids"])
 

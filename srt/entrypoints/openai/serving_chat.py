@@ -225,8 +225,10 @@ class OpenAIServingChat(OpenAIServingBase):
             text = state.text_delta(out["text"])
             start, stop = state.new_logprob_range(meta)
             logprobs = self._logprobs(req, meta, start, stop) if start < stop else None
+            new_tokens = state.new_tokens(meta)
             if calls is None:
-                if text or logprobs is not None:
+                # a new token gets its chunk even with empty text; the last one rides the finish
+                if text or logprobs is not None or (new_tokens and reason is None):
                     yield self._chunk(ctx, index, DeltaMessage(content=text), logprobs)
             else:
                 one = req.parallel_tool_calls is False

@@ -132,7 +132,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
             echo, echo_pending[index] = echo_pending[index], False
             text = (self._echo_text(req, index) if echo else "") + state.text_delta(out["text"])
             logprobs = self._stream_logprobs(req, state, meta, echo)
-            if text or logprobs is not None:
+            new_tokens = state.new_tokens(meta)
+            # a new token gets its chunk even with empty text; the last one rides the finish
+            if text or logprobs is not None or (new_tokens and reason is None):
                 yield self._response(
                     ctx, [CompletionChoice(index=index, text=text, logprobs=logprobs)]
                 )

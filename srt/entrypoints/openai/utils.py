@@ -160,6 +160,7 @@ class ChoiceStream:
     """What one streamed choice has sent so far, to turn cumulative outputs into deltas."""
 
     num_chars: int = 0
+    num_tokens: int = 0
     num_logprobs: int = 0
     logprob_chars: int = 0  # text offset of the next logprob token (completions)
     meta_info: dict = field(default_factory=dict)
@@ -168,6 +169,14 @@ class ChoiceStream:
         delta = text[self.num_chars :]
         self.num_chars = max(self.num_chars, len(text))
         return delta
+
+    def new_tokens(self, meta_info: dict) -> int:
+        """Tokens generated since the last call. A token whose text the detokenizer holds back
+        (an incomplete UTF-8 sequence, a special token) still gets its chunk, with empty text,
+        as vLLM sends it: a client times each token's arrival by its chunk."""
+        total = meta_info.get("completion_tokens") or 0
+        new, self.num_tokens = total - self.num_tokens, max(self.num_tokens, total)
+        return max(new, 0)
 
     def new_logprob_range(self, meta_info: dict) -> tuple[int, int]:
         start = self.num_logprobs

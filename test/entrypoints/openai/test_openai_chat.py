@@ -123,6 +123,13 @@ def test_chat_stream(client, tm) -> None:
     assert usage_chunk["usage"]["total_tokens"] == total
 
 
+def test_chat_stream_sends_a_chunk_per_token(client) -> None:
+    body = {"messages": [{"role": "user", "content": "held"}], "max_tokens": 3, "stream": True}
+    choices = [e["choices"][0] for e in sse_events(client, "/v1/chat/completions", body)[:-1]]
+    assert [c["delta"].get("content") for c in choices] == ["", "Hello", "", " world!", None]
+    assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+
+
 def test_chat_stream_without_usage(client) -> None:
     events = sse_events(client, "/v1/chat/completions", {"messages": MESSAGES, "stream": True})
     assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])

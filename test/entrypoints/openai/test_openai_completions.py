@@ -135,6 +135,16 @@ def test_completion_stream(client, tm) -> None:
     }
 
 
+def test_completion_stream_sends_a_chunk_per_token(client) -> None:
+    """A token whose text is held back (an incomplete UTF-8 sequence) still gets its chunk,
+    empty, as vLLM sends it; its text comes with the next token's."""
+    events = sse_events(client, "/v1/completions", {"prompt": "held", "max_tokens": 4,
+                                                    "stream": True})  # fmt: skip
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert [c["text"] for c in choices] == ["Hello", "", " world!", " How", ""]
+    assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+
+
 def test_completion_stream_several_prompts(client) -> None:
     body = {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}
     events = sse_events(client, "/v1/completions", body)
