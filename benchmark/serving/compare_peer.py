@@ -67,6 +67,20 @@ class Run:
     output_throughput: float
     mean_ttft_ms: float
     mean_tpot_ms: float
+    mean_itl_ms: float = 0.0
+    p99_itl_ms: float = 0.0
+    tokens_per_chunk: float = 0.0  # output tokens over the chunks that carried them
+
+    @classmethod
+    def of(cls, data: dict) -> Run:
+        """From ``vllm bench serve``'s saved result (with ``--save-detailed``: each request's
+        gaps between chunks, so a request's chunks are its gaps plus the first)."""
+        tokens, chunks = sum(data.get("output_lens") or []), 0
+        for itls, n in zip(data.get("itls") or [], data.get("output_lens") or []):
+            chunks += len(itls) + 1 if n else 0
+        return cls(data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"],
+                   data.get("mean_itl_ms", 0.0), data.get("p99_itl_ms", 0.0),
+                   tokens / chunks if chunks else 0.0)  # fmt: skip
 
 
 @dataclass
@@ -162,14 +176,15 @@ def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Pa
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
-           "--seed", str(seed),
-           "--save-result", "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
+           "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
     with open(out_dir / f"{engine}-client-{concurrency}-{seed}.log", "w") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     data = json.loads((out_dir / name).read_text())
     if data.get("completed") != args.num_prompts:
         raise RuntimeError(f"only {data.get('completed')} of {args.num_prompts} requests completed")
-    return Run(data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"])
+    return Run.of(data)
 
 
 def start_engine(engine: str, args, vllm, run_index: int, logs: Path):
@@ -192,7 +207,9 @@ def measure_one(engine: str, args, vllm, run_index: int, concurrency: int, resul
     results.add(engine, concurrency, run)
     print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
           f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
-          f"TPOT {run.mean_tpot_ms:6.1f} ms", flush=True)  # fmt: skip
+          f"TPOT {run.mean_tpot_ms:6.1f} ms, ITL {run.mean_itl_ms:6.1f} ms mean "
+          f"{run.p99_itl_ms:6.1f} ms p99, {run.tokens_per_chunk:.2f} tokens a chunk",
+          flush=True)  # fmt: skip
 
 
 def measure_engine(engine: str, args, vllm, run_index: int, results: Results, logs: Path) -> None:
@@ -253,8 +270,9 @@ def format_table(args, results: Results) -> str:
         f"{args.num_prompts} prompts, {args.runs} runs{' paired' if args.paired else ''} "
         "(vllm bench serve, /v1/completions)",
         "| concurrency | srt out tok/s | vLLM-CPU out tok/s | srt / vLLM | srt TPOT (ms) "
-        "| vLLM TPOT (ms) |",
-        "|---|---|---|---|---|---|",
+        "| vLLM TPOT (ms) | srt ITL mean / p99 (ms) | vLLM ITL mean / p99 (ms) "
+        "| srt / vLLM tokens a chunk |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in args.concurrency:
         ours, peer = results.runs.get(("srt", c), []), results.runs.get(("vllm", c), [])
@@ -265,9 +283,17 @@ def format_table(args, results: Results) -> str:
         if ours and peer:
             ratios = [o.output_throughput / p.output_throughput for o, p in zip(ours, peer)]
             ratio = f"{min(ratios):.2f}–{max(ratios):.2f}×"
+        itl = lambda runs: (  # noqa: E731
+            ", ".join(f"{r.mean_itl_ms:.1f} / {r.p99_itl_ms:.1f}" for r in runs) if runs else "-"
+        )
+        chunks = " / ".join(
+            ", ".join(f"{r.tokens_per_chunk:.2f}" for r in runs) if runs else "-"
+            for runs in (ours, peer)
+        )
         lines.append(
             f"| {c} | {spread(ours, 'output_throughput')} | {spread(peer, 'output_throughput')} "
-            f"| {ratio} | {spread(ours, 'mean_tpot_ms')} | {spread(peer, 'mean_tpot_ms')} |"
+            f"| {ratio} | {spread(ours, 'mean_tpot_ms')} | {spread(peer, 'mean_tpot_ms')} "
+            f"| {itl(ours)} | {itl(peer)} | {chunks} |"
         )
     return "\n".join(lines)
 

@@ -51,6 +51,19 @@ def test_table_reports_every_run_and_the_ratio_range():
     assert missing.count("-") >= 3  # no runs at concurrency 8: shown as missing, not zero
 
 
+def test_run_reads_the_gaps_between_chunks():
+    data = {"output_throughput": 10.0, "mean_ttft_ms": 5.0, "mean_tpot_ms": 2.0,
+            "mean_itl_ms": 3.0, "p99_itl_ms": 9.0, "output_lens": [4, 3, 0],
+            "itls": [[2.0, 2.0, 2.0], [1.0], []]}  # fmt: skip
+    run = compare_peer.Run.of(data)
+    # 7 tokens in 6 chunks: the second request's 3 tokens came in 2
+    assert (run.mean_itl_ms, run.p99_itl_ms, run.tokens_per_chunk) == (3.0, 9.0, 7 / 6)
+    args = compare_peer.parse_args(["--model-path", "/m", "--concurrency", "1"])
+    results = compare_peer.Results()
+    results.add("srt", 1, run)
+    assert "3.0 / 9.0" in compare_peer.format_table(args, results)
+
+
 def test_paired_runs_give_each_engine_its_port_and_flip_the_order():
     args = compare_peer.parse_args(["--model-path", "/m", "--port", "31000", "--paired"])
     ports = {e: compare_peer.engine_port(e, args) for e in ("srt", "vllm")}
