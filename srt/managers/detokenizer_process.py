@@ -7,6 +7,7 @@ import zmq
 from srt.managers.detokenizer import DetokenizerManager
 from srt.managers.io_struct import BatchTokenIDOutput
 from srt.server_args import ServerArgs
+from srt.utils import stream_trace
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
 from srt.utils.process import freeze_startup_heap, set_parent_death_signal
@@ -26,4 +27,6 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> Non
         msg = recv.recv()
         if not isinstance(msg, BatchTokenIDOutput):
             raise TypeError(f"detokenizer received an unknown message {type(msg).__name__}")
-        send.send(manager.handle_batch_token_id_out(msg))
+        out = manager.handle_batch_token_id_out(msg)
+        stream_trace.record("detokenizer", out.rids, out.completion_tokens)
+        send.send(out)

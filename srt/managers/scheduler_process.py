@@ -43,6 +43,7 @@ from srt.managers.io_struct import (
 from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_watchdog import PEER_WAIT_S, RankFailure, StepWatchdog
 from srt.server_args import ServerArgs
+from srt.utils import stream_trace
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
 from srt.utils.network import set_socket_ifname_for
@@ -131,6 +132,7 @@ class SchedulerLoop:
             outputs = sched.step()  # under DP attention on every iteration: it syncs
             if self.is_entry:
                 for out in outputs:
+                    stream_trace.record("scheduler", out.rids, out.completion_tokens)
                     self.send_to_detokenizer.send(out)
             self.report_load()
             if sched.num_forward_steps != steps and sched.is_idle():

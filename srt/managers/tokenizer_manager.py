@@ -29,6 +29,7 @@ from srt.managers.metrics import TokenizerMetrics
 from srt.managers.request_state import ReqState
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+from srt.utils import stream_trace
 from srt.utils.ipc import AsyncReceiver, PortArgs, Sender
 
 logger = logging.getLogger(__name__)
@@ -262,6 +263,8 @@ class TokenizerManager:
                         return
                     continue
                 state.event.clear()
+                if state.obj.stream and stream_trace.enabled():
+                    stream_trace.record("http", [state.obj.rid], [len(state.output_ids)])
                 if state.finished:
                     yield state.result()
                     return
@@ -396,6 +399,7 @@ class TokenizerManager:
                 logger.error("tokenizer manager received unexpected %s", type(msg).__name__)
 
     def _handle_batch_output(self, out: BatchStrOutput) -> None:
+        stream_trace.record("tokenizer", out.rids, out.completion_tokens)
         now = time.perf_counter()
         for i, rid in enumerate(out.rids):
             state = self.rid_to_state.get(rid)
