@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.schedules import Comm, Compute, Pair, dualpipev, make_schedule
 from pipeline.simulator import Costs, ScheduleError, check, simulate
+from pipeline.train import main as train_main
 
 PPS = (2, 4, 8)
 METHODS = [("1f1b", {}), ("vpp", {"v": 2}), ("vpp", {"v": 3}),
@@ -107,3 +108,20 @@ def test_checker_catches_broken_schedules():
     w_without_split = _broken(s, 1, lambda acts: acts + [Compute("W", 1, 0)])
     with pytest.raises(ScheduleError, match="W0@s1 without a split B"):
         check(w_without_split)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-layers", "6"], "multiple of the 8 stages"),
+        (["--schedules-method", "1f1b", "--moe-fb-overlap"], "1f1b has none"),
+        (["--expert-model-parallel-size", "3"], "must split over"),
+        (["--rank", "0"], "go together"),
+    ],
+)
+def test_training_command_line_refuses_bad_configurations(argv, message, capsys):
+    base = ["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "4",
+            "--num-micro-batches", "8"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        train_main([*base, *argv])
+    assert message in capsys.readouterr().err
