@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
-import re
 import socket
 import statistics
 import time
@@ -30,8 +29,8 @@ import torch.distributed as dist
 from pipeline.ep import EPGroup
 from pipeline.executor import RankExecutor
 from pipeline.model import ModelConfig, build_model, loss_fn, split_stages
+from pipeline.report import print_summary, summarize
 from pipeline.schedules import add_schedule_args, make_schedule
-from pipeline.simulator import Costs, simulate
 
 
 @dataclass(frozen=True)
@@ -141,36 +140,42 @@ def measure_p2p(cfg: TrainConfig, rank: int, peers: list[int], repeats: int = 3,
     return float(per_message)
 
 
-def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
-    """Its stages' first gradients and final weights by parameter name (EP rank 0 reports them
-    for its group: the experts gathered, the rest summed over the group), each step's loss
-    share, time, computations' intervals, peak activations and bytes exchanged."""
+def _build(rank: int, cfg: TrainConfig, ep: EPGroup) -> tuple[list, RankExecutor]:
+    """This rank's named parameters (its stages', experts sharded over ``ep``) and executor."""
     r, d = rank % cfg.pp, rank // cfg.pp
     schedule = cfg.schedule()
     model = build_model(cfg.model, cfg.seed)
     stages = split_stages(model, schedule.num_stages)
     mine = {s: stages[s] for s, owner in enumerate(schedule.stage_rank) if owner == r}
-    ep = EPGroup(d, cfg.ep, tuple(groups[:2]), groups[2] if groups else None)
-    group = groups[0] if groups else None
     for stage in mine.values():
         for block in stage.blocks:
             block.moe.shard(ep)
     ids_of_mine = {id(p) for st in mine.values() for p in st.parameters()}
     named = [(n, p) for n, p in model.named_parameters() if id(p) in ids_of_mine]
-    opt = torch.optim.SGD([p for _, p in named], lr=cfg.lr)
     shape = (cfg.microbatch_size, cfg.seq_len, cfg.model.hidden)
     peers = [d * cfg.pp + q for q in range(cfg.pp)]
     executor = RankExecutor(schedule, r, mine, shape, peers, cfg.fb_overlap,
                             num_total=cfg.num_microbatches * cfg.ep)  # fmt: skip
-    n = cfg.num_microbatches
+    return named, executor
+
+
+def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
+    """Its stages' first gradients and final weights by parameter name (EP rank 0 reports them
+    for its group: the experts gathered, the rest summed over the group), each step's loss
+    share, time, computations' intervals, peak activations and bytes exchanged."""
+    d, n = rank // cfg.pp, cfg.num_microbatches
+    ep = EPGroup(d, cfg.ep, tuple(groups[:2]), groups[2] if groups else None)
+    group = groups[0] if groups else None
+    named, executor = _build(rank, cfg, ep)
+    opt = torch.optim.SGD([p for _, p in named], lr=cfg.lr)
     out = {"losses": [], "seconds": [], "grads": {}, "spans": [], "peak_bytes": [],
-           "peak_chunks": [], "a2a_bytes": [], "p2p": measure_p2p(cfg, rank, peers)}  # fmt: skip
+           "peak_chunks": [], "a2a_bytes": [],
+           "p2p": measure_p2p(cfg, rank, executor.peers)}  # fmt: skip
     for step in range(cfg.steps):
         opt.zero_grad()
         ids, labels = batches(cfg, step)
         dist.barrier()
-        before = ep.bytes_exchanged
-        start = time.perf_counter()
+        before, start = ep.bytes_exchanged, time.perf_counter()
         record = executor.step(ids[d * n : (d + 1) * n], labels[d * n : (d + 1) * n])
         out["seconds"].append(time.perf_counter() - start)
         out["a2a_bytes"].append(ep.bytes_exchanged - before)
@@ -249,83 +254,6 @@ def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
             )
         out[key] = max(rel(merged[n], ref[key][n]) for n in ref[key])
     return out
-
-
-def _cost_key(name: str) -> str:
-    """A span's ``cost_key`` from its action's name (``Bi3@s2`` → ``Bi@s2``, ``(F3@s0&B1@s3)``
-    → ``FB@s0,s3``)."""
-    parts = [re.fullmatch(r"([A-Za-z]+)\d+@s(\d+)", p) for p in name.strip("()").split("&")]
-    if len(parts) == 2:
-        return f"FB@s{parts[0][2]},s{parts[1][2]}"
-    return f"{parts[0][1]}@s{parts[0][2]}"
-
-
-def summarize(cfg: TrainConfig, ranks: list[dict]) -> dict:
-    """The run's figures: each step's loss and time; from the steps after the first, the
-    median step time, each computation kind's median cost, and per pipeline rank (of EP rank
-    0) the bubble measured from its own timeline (the step's time minus its computing time)
-    against two simulations of the schedule with the measured message time: ``replayed``,
-    each step's every action costing what it measured in that step, so that only the waits
-    the schedule implies are left to differ (the median over the steps); ``modelled``, every
-    action of a kind and stage costing that kind's and stage's median. And the peak
-    activations kept (bytes and chunks) against the simulator's peak chunks."""
-    steps = range(1 if cfg.steps > 1 else 0, cfg.steps)
-    seconds = [max(r["seconds"][i] for r in ranks) for i in range(cfg.steps)]
-    pipeline_ranks = ranks[: cfg.pp]  # EP rank 0's
-    by_action: dict[str, list[float]] = {}
-    for r in pipeline_ranks:
-        for i in steps:
-            for name, t0, t1 in r["spans"][i]:
-                by_action.setdefault(name, []).append(t1 - t0)
-    by_stage: dict[str, list[float]] = {}
-    by_kind: dict[str, list[float]] = {}
-    for name, v in by_action.items():
-        key = _cost_key(name)
-        by_stage.setdefault(key, []).extend(v)
-        by_kind.setdefault(key.split("@")[0], []).extend(v)
-    median = statistics.median
-    schedule, p2p = cfg.schedule(), ranks[0]["p2p"]
-    replayed = [simulate(schedule, Costs(p2p=p2p, by_action={
-        name: t1 - t0 for r in pipeline_ranks for name, t0, t1 in r["spans"][i]}))
-        for i in steps]  # fmt: skip
-    modelled = simulate(schedule, Costs(p2p=p2p, by_stage={k: median(v) for k, v in
-                                                             by_stage.items()}))  # fmt: skip
-    per_rank = []
-    for q, r in enumerate(pipeline_ranks):
-        bubble = median(seconds[i] - sum(t1 - t0 for _, t0, t1 in r["spans"][i]) for i in steps)
-        per_rank.append({
-            "bubble": bubble, "replayed_bubble": median(t.bubbles()[q] for t in replayed),
-            "modelled_bubble": modelled.bubbles()[q],
-            "peak_bytes": max(r["peak_bytes"]), "peak_chunks": max(r["peak_chunks"]),
-            "simulated_peak_chunks": modelled.peak_activations()[q],
-            "a2a_bytes_per_step": median(r["a2a_bytes"][i] for i in steps),
-        })  # fmt: skip
-    return {
-        "method": cfg.method, "pp": cfg.pp, "ep": cfg.ep, "num_microbatches":
-        cfg.num_microbatches, "dw_detach": cfg.dw_detach, "fb_overlap": cfg.fb_overlap,
-        "losses": [sum(r["losses"][i] for r in ranks) for i in range(cfg.steps)],
-        "step_seconds": seconds, "median_step": median(seconds[i] for i in steps),
-        "costs": {k: median(v) for k, v in by_kind.items()}, "p2p": p2p,
-        "replayed_step": median(t.makespan for t in replayed), "modelled_step":
-        modelled.makespan,
-        "ranks": per_rank,
-    }  # fmt: skip
-
-
-def print_summary(s: dict) -> None:
-    for i, (loss, sec) in enumerate(zip(s["losses"], s["step_seconds"])):
-        print(f"step {i}: loss {loss:.6f}, {sec * 1e3:.1f} ms")
-    costs = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in s["costs"].items())
-    print(f"median costs (ms): {costs}; p2p {s['p2p'] * 1e3:.2f}; step {s['median_step'] * 1e3:.1f}"
-          f" measured, {s['replayed_step'] * 1e3:.1f} replayed, {s['modelled_step'] * 1e3:.1f}"
-          " modelled")  # fmt: skip
-    for rank, r in enumerate(s["ranks"]):
-        print(f"rank {rank}: bubble {r['bubble'] * 1e3:.1f} ms measured, "
-              f"{r['replayed_bubble'] * 1e3:.1f} replayed, {r['modelled_bubble'] * 1e3:.1f} "
-              f"modelled; peak activations "
-              f"{r['peak_bytes'] / 2**20:.2f} MiB in {r['peak_chunks']} chunks "
-              f"(simulated {r['simulated_peak_chunks']}); all-to-all "
-              f"{r['a2a_bytes_per_step'] / 2**20:.2f} MiB a step")  # fmt: skip
 
 
 def main(argv=None) -> None:
