@@ -26,13 +26,13 @@ replayed by the simulator from the measured costs).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from benchmark.cluster.emulated_network import create_cluster, exit_on_signals
@@ -91,8 +91,14 @@ class CpuQuota:
 
     def close(self) -> None:
         for d in self.dirs:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+            for _ in range(50):  # the processes killed a moment ago may still be exiting
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
 
 
 def quota_or_none(args, nodes: int, cores: int) -> CpuQuota | None:
@@ -200,19 +206,20 @@ def main(argv=None) -> None:
     nodes = args.pp * args.ep
     rate = None if args.link_rate == "unshaped" else args.link_rate
     results: list[dict] = []
-    with exit_on_signals(), create_cluster(nodes, rate) as cluster:
-        print(cluster.describe(), flush=True)
-        quota = quota_or_none(args, nodes, len(os.sched_getaffinity(0)))
-        try:
+    quota = None
+    try:
+        with exit_on_signals(), create_cluster(nodes, rate) as cluster:
+            print(cluster.describe(), flush=True)
+            quota = quota_or_none(args, nodes, len(os.sched_getaffinity(0)))
             for k in range(args.repeat):
                 for name in args.runs if k % 2 == 0 else args.runs[::-1]:
                     print(f"== {name}, round {k + 1}", flush=True)
                     results.append(run_one(args, cluster, quota, name, out, str(k + 1)))
                     with open(out / "results.jsonl", "a") as f:
                         f.write(json.dumps(results[-1]) + "\n")
-        finally:
-            if quota is not None:
-                quota.close()
+    finally:  # after the cluster's cleanup: a cgroup with processes left cannot be removed
+        if quota is not None:
+            quota.close()
     header = (f"PP {args.pp} × EP {args.ep}, {nodes} nodes, links {args.link_rate}, "
               f"{args.num_micro_batches} micro-batches, CPU quota "
               f"{'off' if quota is None else 'on'}")  # fmt: skip
