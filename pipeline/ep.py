@@ -36,7 +36,7 @@ from srt.layers.moe.token_dispatcher.torch_a2a import DuplexAllToAll
 
 @dataclass
 class EPGroup:
-    """This rank's place in its EP group (``group`` None: a group of one) and the bytes it has
+    """This rank's place in its EP group (no ``groups``: a group of one) and the bytes it has
     exchanged (sent to other ranks plus kept, forward and backward)."""
 
     rank: int = 0
