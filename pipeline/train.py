@@ -256,6 +256,21 @@ def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
     return out
 
 
+SHAPE_DEFAULTS = {"num_layers": 8, "hidden_size": 32, "moe_intermediate_size": 48,
+                  "num_experts": 8, "micro_batch_size": 2, "seq_length": 8, "steps": 3}  # fmt: skip
+
+
+def add_shape_args(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """The model's and the run's sizes (``--num-layers`` ... ``--steps``), shared with the
+    emulated-cluster benchmark, which passes them on (``shape_argv``)."""
+    for dest, default in {**SHAPE_DEFAULTS, **defaults}.items():
+        p.add_argument("--" + dest.replace("_", "-"), type=int, default=default)
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    return [x for d in SHAPE_DEFAULTS for x in ("--" + d.replace("_", "-"), str(getattr(args, d)))]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_schedule_args(p, pp=2, n=4)
@@ -264,13 +279,7 @@ def main(argv=None) -> None:
                    "all-to-alls (dualpipev)")  # fmt: skip
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP group size at each pipeline position (ranks: PP × EP)")  # fmt: skip
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=32)
-    p.add_argument("--moe-intermediate-size", type=int, default=48)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
+    add_shape_args(p)
     p.add_argument("--check", action="store_true", help="compare with the one-process run")
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--rank", type=int, help="run this global rank only (one process per node)")

@@ -12,7 +12,7 @@ Per run: the step time (median of the steps after the first), each computation's
 per pipeline rank the bubble measured from its own timeline against the simulator's for those
 costs, and the activations it kept at most (bytes and chunks) against the simulator's chunks.
 
-    python benchmark/cluster/emulated_pipeline.py --pp 2 --ep 2 --link-rate 200mbit
+    python benchmark/cluster/emulated_pipeline.py --pp 2 --ep 2 --link-rate 75mbit
 
 ``--repeat K`` runs the list K times, the order reversed every other round (the machine
 drifts over minutes: compare within a round). Results: ``OUT/results.jsonl`` and
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from benchmark.cluster.emulated_network import create_cluster, exit_on_signals
+from pipeline.train import add_shape_args, shape_argv
 
 DIST_PORT = 29710
 CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
@@ -56,16 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--link-rate", default="200mbit", help="tbf rate, or 'unshaped'")
+    p.add_argument("--link-rate", default="75mbit", help="tbf rate, or 'unshaped'")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    p.add_argument("--num-micro-batches", type=int, default=8)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--moe-intermediate-size", type=int, default=256)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--num-micro-batches", type=int, default=16)
+    add_shape_args(p, hidden_size=256, moe_intermediate_size=256, seq_length=64)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every run, the order reversed every other round")
     p.add_argument("--no-cpu-quota", action="store_true")
@@ -121,12 +116,7 @@ def run_one(args, cluster, quota: CpuQuota | None, name: str, out: Path, tag: st
         argv = [sys.executable, "-m", "pipeline.train", *RUNS[name],
                 "--pipeline-model-parallel-size", str(args.pp),
                 "--expert-model-parallel-size", str(args.ep),
-                "--num-micro-batches", str(args.num_micro_batches),
-                "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-                "--moe-intermediate-size", str(args.moe_intermediate_size),
-                "--num-experts", str(args.num_experts),
-                "--micro-batch-size", str(args.micro_batch_size),
-                "--seq-length", str(args.seq_length), "--steps", str(args.steps),
+                "--num-micro-batches", str(args.num_micro_batches), *shape_argv(args),
                 "--rank", str(i), "--dist-init-addr", f"{cluster.addrs[0]}:{DIST_PORT}",
                 "--json", str(result)]  # fmt: skip
         argv = ["taskset", "-c", str(cores[i % len(cores)]), *argv]
