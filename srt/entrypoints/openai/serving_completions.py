@@ -133,19 +133,19 @@ class OpenAIServingCompletion(OpenAIServingBase):
             text = (self._echo_text(req, index) if echo else "") + state.text_delta(out["text"])
             logprobs = self._stream_logprobs(req, state, meta, echo)
             new_tokens = state.new_tokens(meta)
-            # a new token gets its chunk even with empty text; the last one rides the finish
-            if text or logprobs is not None or (new_tokens and reason is None):
-                yield self._response(
-                    ctx, [CompletionChoice(index=index, text=text, logprobs=logprobs)]
-                )
+            # Every new token gets a chunk, even with empty text; the last one carries the
+            # finish reason (as SGLang and vLLM send it), and a finish without news gets one.
+            if not (text or logprobs is not None or new_tokens or reason is not None):
+                continue
+            choice = CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=reason
+            )
+            chunk = self._response(ctx, [choice])
             if reason is not None:
                 unfinished -= 1
-                chunk = self._response(
-                    ctx, [CompletionChoice(index=index, text="", finish_reason=reason)]
-                )
                 if not unfinished:  # SGLang's cache report rides on the last finish chunk
                     chunk.sglext = sglext_of(req, [s.meta_info for s in states], req.n)
-                yield chunk
+            yield chunk
         if req.include_usage:
             yield self._response(ctx, [], usage_of([s.meta_info for s in states], req.n))
 

@@ -121,9 +121,9 @@ def test_completion_stream(client, tm) -> None:
     assert {c["id"] for c in events[:-1]} == {usage_chunk["id"]}
     assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
     texts = [c["choices"][0]["text"] for c in chunks]
-    assert "".join(texts) == "Hello world!" and texts[-1] == ""
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 3 + ["length"]
-    offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in chunks[:-1]]
+    assert texts == ["Hello", " world", "!"]  # the finish rides the last token's chunk
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 2 + ["length"]
+    offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in chunks]
     assert offsets == [[0], [5], [11]]
     assert chunks[0]["choices"][0]["logprobs"]["top_logprobs"] == [{"Hello": -0.5}]
     assert usage_chunk["choices"] == []
@@ -137,12 +137,13 @@ def test_completion_stream(client, tm) -> None:
 
 def test_completion_stream_sends_a_chunk_per_token(client) -> None:
     """A token whose text is held back (an incomplete UTF-8 sequence) still gets its chunk,
-    empty, as vLLM sends it; its text comes with the next token's."""
+    empty, as vLLM sends it; its text comes with the next token's. The last token's chunk
+    carries the finish reason: one chunk per token, none more."""
     events = sse_events(client, "/v1/completions", {"prompt": "held", "max_tokens": 4,
                                                     "stream": True})  # fmt: skip
     choices = [e["choices"][0] for e in events[:-1]]
-    assert [c["text"] for c in choices] == ["Hello", "", " world!", " How", ""]
-    assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+    assert [c["text"] for c in choices] == ["Hello", "", " world!", " How"]
+    assert [c["finish_reason"] for c in choices] == [None] * 3 + ["length"]
 
 
 def test_completion_stream_several_prompts(client) -> None:
