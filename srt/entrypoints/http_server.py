@@ -26,7 +26,7 @@ from srt.managers.tokenizer_manager import (
 )
 from srt.server_args import ServerArgs
 from srt.utils.logging import configure_logging
-from srt.utils.process import freeze_startup_heap
+from srt.utils.process import freeze_startup_heap, yield_to_ranks_on_wakeup
 
 logger = logging.getLogger(__name__)
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's bound on /health_generate
@@ -231,6 +231,7 @@ def launch_server(server_args: ServerArgs) -> None:
         return
     configure_logging(server_args.log_level, prefix="http")
     runtime = launch_subprocesses(server_args, exit_on_child_death=True)
+    yield_to_ranks_on_wakeup()  # after the ranks started: they must not inherit it
     app = create_app(runtime.tokenizer_manager, server_args, runtime.scheduler_info)
     logger.info(
         "serving %s on http://%s:%d", server_args.model_path, server_args.host, server_args.port

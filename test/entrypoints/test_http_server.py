@@ -4,6 +4,7 @@ client, native /generate (single, batch, stream), parity with srt.Engine, and th
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import httpx
@@ -48,7 +49,7 @@ def test_openai_completion(client: openai.OpenAI, tokenizer, qwen3_moe_path: str
 
     chunks = list(client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert len(chunks) == 8 and chunks[-1].choices[0].finish_reason == "length"  # one a token
     chunks = list(
         client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     )
@@ -239,3 +240,22 @@ def test_metrics_grow(http: httpx.Client) -> None:
     for gauge in ("srt:num_running_reqs", "srt:num_queue_reqs", "srt:token_usage"):
         assert gauge in after
     assert after["srt:num_running_reqs"] == after["srt:num_queue_reqs"] == 0
+
+
+def test_front_end_never_preempts_a_rank_on_wakeup(server: ServerProcess) -> None:
+    """The HTTP process and the detokenizer (every thread) run under SCHED_BATCH; the scheduler
+    rank keeps the normal policy."""
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("no SCHED_BATCH here")
+    main = server.proc.pid
+    children = [int(p) for p in os.popen(f"pgrep -P {main}").read().split()]
+    policies = {}
+    for pid in [main, *children]:
+        cmdline = open(f"/proc/{pid}/cmdline").read()
+        if "resource_tracker" in cmdline:
+            continue
+        tids = os.listdir(f"/proc/{pid}/task")
+        policies[pid] = {os.sched_getscheduler(int(t)) for t in tids}
+    assert policies.pop(main) == {os.SCHED_BATCH}
+    # the rest: the scheduler rank and the detokenizer, one policy for all their threads each
+    assert sorted(map(tuple, policies.values())) == [(os.SCHED_OTHER,), (os.SCHED_BATCH,)]
