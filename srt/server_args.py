@@ -125,6 +125,15 @@ class ServerArgs(OverlapArgs):
             choices=SCHEDULE_POLICY_CHOICES,
         ),
     )
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata=_arg(
+            "memory",
+            "Run the running requests' decode in the same batch as a prefill (one mixed "
+            "batch) instead of in a step of its own after it; the prefill's budget "
+            "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens.",
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )

@@ -151,8 +151,9 @@ def plan_two_batch_overlap(batch: ForwardBatch, config: TboConfig) -> None:
     batch can split (None otherwise) and, without DP attention (every rank runs this batch),
     ``can_run_tbo``. Under DP attention ``apply_dp_sync`` decides ``can_run_tbo`` for all.
 
-    Only EXTEND and DECODE batches split: srt's scheduler makes no MIXED batches and has no
-    speculative decoding (TARGET_VERIFY), whose split rule needs the draft length."""
+    Only EXTEND and DECODE batches split: a MIXED batch (--enable-mixed-chunk) runs whole,
+    and srt has no speculative decoding (TARGET_VERIFY), whose split rule needs the draft
+    length."""
     batch.tbo_split_seq_index = batch.tbo_split_token_index = None
     batch.can_run_tbo = False
     mode, num_tokens = batch.forward_mode, batch.num_tokens

@@ -210,6 +210,7 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
         self.extend_logprob_start_lens: list[int] = []
+        self.num_mixed_decode = 0  # running requests decoding in this prefill (MIXED) batch
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -244,16 +245,36 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         """One token per request: its last output token, written at position kv_len."""
         self.forward_mode = ForwardMode.DECODE
-        self.out_cache_loc = self.ctx.alloc_token_slots(len(self.reqs))
         self.input_ids = [r.output_ids[-1] for r in self.reqs]
-        self.positions = [r.kv_len for r in self.reqs]
+        self.out_cache_loc, self.positions = self._alloc_next_token_slots(self.reqs)
+
+    def mix_with_running(self, running: list[Req]) -> None:
+        """Add the running requests' decode to this prepared prefill batch (--enable-mixed-chunk,
+        as SGLang's): each extends its KV by its last output token, a one-token chunk after
+        a prefix of everything it holds, and samples its next token from it."""
+        slots, positions = self._alloc_next_token_slots(running)
+        self.forward_mode = ForwardMode.MIXED
+        self.num_mixed_decode = len(running)
+        self.reqs = self.reqs + running
+        self.out_cache_loc = torch.cat([self.out_cache_loc, slots])
+        self.input_ids += [r.output_ids[-1] for r in running]
+        self.positions += positions
+        self.prefix_lens += positions
+        self.extend_lens += [1] * len(running)
+        self.extend_logprob_start_lens += [1] * len(running)  # no prompt logprobs left
+
+    def _alloc_next_token_slots(self, reqs: list[Req]) -> tuple[torch.Tensor, list[int]]:
+        """A KV slot for each request's next token, at position kv_len: (slots, positions)."""
+        slots = self.ctx.alloc_token_slots(len(reqs))
+        positions = [r.kv_len for r in reqs]
         req_to_token = self.ctx.req_to_token_pool.req_to_token
         rows, cols = host_lists_to_device(
-            [[r.req_pool_idx for r in self.reqs], self.positions], torch.int64, req_to_token.device
+            [[r.req_pool_idx for r in reqs], positions], torch.int64, req_to_token.device
         )
-        req_to_token[rows, cols] = self.out_cache_loc.to(req_to_token.device)
-        for req in self.reqs:
+        req_to_token[rows, cols] = slots.to(req_to_token.device)
+        for req in reqs:
             req.kv_len += 1
+        return slots, positions
 
     # ------------------------------------------------------------------ membership
     def filter_batch(self, keep: list[Req] | None = None) -> None:

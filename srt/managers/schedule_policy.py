@@ -76,13 +76,18 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int,
         max_new_reqs: int,
+        mixed_with_decode_tokens: int = 0,
     ):
+        """``mixed_with_decode_tokens``: the decode tokens that will ride in the same batch
+        (--enable-mixed-chunk); the prefill's token budgets leave room for them."""
         self.ctx = ctx
         self.running_reserve = sum(decode_reserve(r, new_token_ratio) for r in running)
         self.num_running = len(running)
         self.admitted_cost = 0
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None
+        if chunked_prefill_size > 0:
+            self.rem_chunk_tokens = chunked_prefill_size - mixed_with_decode_tokens
         self.max_new_reqs = max_new_reqs
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None

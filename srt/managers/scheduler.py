@@ -228,6 +228,7 @@ class Scheduler:
             self.max_running_requests - len(running),
             self.ctx.req_to_token_pool.available_size() + (self.chunked_req is not None),
         )
+        mixed = self._mixed_decode_tokens()
         adder = PrefillAdder(
             self.ctx,
             running,
@@ -235,6 +236,7 @@ class Scheduler:
             self.server_args.max_prefill_tokens,
             self.server_args.chunked_prefill_size,
             max_new_reqs,
+            mixed,
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
@@ -244,9 +246,20 @@ class Scheduler:
                 req.init_next_round_input(self.tree_cache)
                 if adder.add_one_req(req) != AddReqResult.CONTINUE:
                     break
-        return self._make_prefill_batch(adder)
+        return self._make_prefill_batch(adder, mix=mixed > 0)
 
-    def _make_prefill_batch(self, adder: PrefillAdder) -> ScheduleBatch | None:
+    def _mixed_decode_tokens(self) -> int:
+        """Under --enable-mixed-chunk, the decode tokens of the running requests (one each)
+        that ride in the next prefill's batch; 0 when they would leave the prefill no room."""
+        args, num_running = self.server_args, len(self.running_batch.reqs)
+        if not args.enable_mixed_chunk:
+            return 0
+        budget = args.max_prefill_tokens
+        if args.enable_chunked_prefill:
+            budget = min(budget, args.chunked_prefill_size)
+        return num_running if num_running < budget else 0
+
+    def _make_prefill_batch(self, adder: PrefillAdder, mix: bool) -> ScheduleBatch | None:
         can_run = adder.can_run_list
         if not can_run:
             return None
@@ -258,6 +271,11 @@ class Scheduler:
                 req.cached_tokens, req.has_started = len(req.prefix_indices), True
         batch = ScheduleBatch(can_run, self.ctx)
         batch.prepare_for_extend()
+        # The running requests join it when the pool has a slot for each (else they decode
+        # in the next step, retracting as usual); they come back from it as running.
+        if mix and self.running_batch.check_decode_mem():
+            batch.mix_with_running(self.running_batch.reqs)
+            self.running_batch.reqs = []
         return batch
 
     def _update_running_batch(self) -> None:
@@ -282,6 +300,8 @@ class Scheduler:
             self.output_processor.process_extend(batch, logits_output, next_ids, chunked)
             new_running = [r for r in batch.reqs if not r.finished() and r is not chunked]
             self.running_batch.reqs.extend(new_running)
+            if batch.num_mixed_decode:
+                self._count_decode_tokens(batch.num_mixed_decode)
         else:
             self.output_processor.process_decode(batch, logits_output, next_ids)
             self._count_decode_tokens(len(batch.reqs))

@@ -1,5 +1,6 @@
 """Scheduler with the real tiny models: greedy outputs do not depend on batching, chunking,
-prefix reuse, radix-cache on/off or retraction; aborts and finishes leave no leaked slots."""
+mixed prefill/decode batches, prefix reuse, radix-cache on/off or retraction; aborts and
+finishes leave no leaked slots."""
 
 from __future__ import annotations
 
@@ -84,14 +85,27 @@ def test_lpm_and_max_running_match_alone(assert_kv_pool_full, reference):
         assert_kv_pool_full(eng)
 
 
+def test_mixed_chunk_matches_alone(assert_kv_pool_full, reference):
+    """--enable-mixed-chunk: the running requests decode inside the prefill chunks' batches
+    (MIXED steps), with the same greedy outputs as each prompt alone."""
+    path, _, prompts, alone = reference
+    kwargs = dict(enable_mixed_chunk=True, chunked_prefill_size=16, max_running_requests=6)
+    with engine(path, **kwargs) as eng:
+        assert output_ids(eng, prompts) == alone
+        state = eng.get_server_info()["internal_states"][0]
+        assert state["num_non_tbo_steps"].get("mixed", 0) > 0, state
+        assert_kv_pool_full(eng)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"chunked_prefill_size": -1},
         {"chunked_prefill_size": 8},
         {"chunked_prefill_size": 8, "disable_radix_cache": True},
+        {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
     ],
-    ids=["unchunked", "chunked", "no-radix"],
+    ids=["unchunked", "chunked", "no-radix", "mixed"],
 )
 @pytest.mark.parametrize("reference", ENGINE_MODELS, indirect=True)
 @pytest.mark.slow
@@ -99,7 +113,11 @@ def test_retraction_keeps_greedy_output(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
     with engine(path, max_total_tokens=150, **kwargs) as eng:
         assert output_ids(eng, prompts) == alone
-        assert eng.get_server_info()["internal_states"][0]["num_retracted_reqs"] > 0
+        state = eng.get_server_info()["internal_states"][0]
+        if kwargs.get("enable_mixed_chunk"):  # a tight pool with decodes inside the prefills
+            assert state["num_non_tbo_steps"].get("mixed", 0) > 0, state
+        else:
+            assert state["num_retracted_reqs"] > 0
         assert_kv_pool_full(eng)
 
 
@@ -211,3 +229,52 @@ def test_server_stream_interval_and_request_override(qwen3_moe_path):
 def test_stream_interval_flag_is_checked(qwen3_moe_path):
     with pytest.raises(ValueError, match="--stream-interval"):
         ServerArgs(model_path=qwen3_moe_path, stream_interval=0)
+
+
+def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
+    """MIXED steps: the prefill chunk leaves room for the running request's token, and every
+    logprob equals the unmixed run's (prompt logprobs only for the prefilled request)."""
+    runs = {}
+    for mixed in (False, True):
+        args = ServerArgs(
+            model_path=qwen3_moe_path,
+            max_total_tokens=512,
+            chunked_prefill_size=12,
+            enable_mixed_chunk=mixed,
+        )
+        scheduler = Scheduler(args)
+        reqs, shapes = {}, []
+        get_next_batch = scheduler.get_next_batch
+
+        def spy(get_next_batch=get_next_batch, reqs=reqs, shapes=shapes):
+            batch = get_next_batch()
+            if batch is not None:
+                reqs.update((r.rid, r) for r in batch.reqs)
+                shapes.append((batch.forward_mode.name, batch.extend_lens))
+            return batch
+
+        scheduler.get_next_batch = spy
+        early = _tokenized("early", [5, 6, 7], max_new_tokens=12)
+        early.return_logprob = True
+        scheduler.add_request(early)
+        _step(scheduler, {})  # early's prefill; it decodes from now on
+        late = _tokenized("late", list(range(10, 40)), max_new_tokens=4)
+        late.return_logprob, late.logprob_start_len = True, 0
+        scheduler.add_request(late)
+        _run_until_idle(scheduler)
+        scheduler.check_memory()
+        if mixed:  # 30 prompt tokens in chunks of 11, 11 and 8, each with early's token
+            expected = [("MIXED", [11, 1]), ("MIXED", [11, 1]), ("MIXED", [8, 1])]
+        else:
+            expected = [("EXTEND", [12]), ("EXTEND", [12]), ("EXTEND", [6])]
+        assert shapes[1:4] == expected
+        runs[mixed] = reqs
+    for rid in ("early", "late"):
+        plain, mix = runs[False][rid], runs[True][rid]
+        assert mix.output_ids == plain.output_ids
+        for name in ("output_token_logprobs", "input_token_logprobs"):
+            values = [v for v, _ in getattr(plain, name) if v is not None]
+            mixed_values = [v for v, _ in getattr(mix, name) if v is not None]
+            assert mixed_values == pytest.approx(values, abs=1e-5), (rid, name)
+    assert len(runs[True]["late"].input_token_logprobs) == 30
+    assert not runs[True]["early"].input_token_logprobs
