@@ -231,7 +231,8 @@ def launch_server(server_args: ServerArgs) -> None:
         return
     configure_logging(server_args.log_level, prefix="http")
     runtime = launch_subprocesses(server_args, exit_on_child_death=True)
-    yield_to_ranks_on_wakeup()  # after the ranks started: they must not inherit it
+    if runtime.scheduler_info.get("front_end_core"):  # the ranks started: none inherits it
+        yield_to_ranks_on_wakeup()
     app = create_app(runtime.tokenizer_manager, server_args, runtime.scheduler_info)
     logger.info(
         "serving %s on http://%s:%d", server_args.model_path, server_args.host, server_args.port

@@ -19,7 +19,14 @@ from srt.managers.tokenizer_manager import TokenizerManager
 from srt.model_loader.config import ModelConfig
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs
-from srt.utils.process import Child, Watchdog, kill_children, start_child, wait_ready
+from srt.utils.process import (
+    Child,
+    Watchdog,
+    kill_children,
+    start_child,
+    wait_ready,
+    yield_to_ranks_on_wakeup,
+)
 
 logger = logging.getLogger(__name__)
 DRAIN_TIMEOUT_S = 3.0
@@ -109,6 +116,8 @@ def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> R
         for child in children[len(schedulers) :]:
             if not child.process.is_alive():
                 raise RuntimeError(f"{child.name} exited during start-up")
+            if infos[0].get("front_end_core"):
+                yield_to_ranks_on_wakeup(child.process.pid)
         tm = TokenizerManager(server_args, port_args, infos[0])
     except BaseException:
         kill_children(children)

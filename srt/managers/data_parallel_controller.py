@@ -24,7 +24,7 @@ from srt.server_args import ServerArgs
 from srt.server_args_choices import LOAD_BALANCE_CHOICES
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
-from srt.utils.process import set_parent_death_signal, yield_to_ranks_on_wakeup
+from srt.utils.process import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,5 @@ class DataParallelController:
 
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs) -> None:
     set_parent_death_signal()
-    yield_to_ranks_on_wakeup()
     configure_logging(server_args.log_level, prefix="dp controller")
     DataParallelController(server_args, port_args).run_forever()

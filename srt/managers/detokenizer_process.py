@@ -10,16 +10,11 @@ from srt.server_args import ServerArgs
 from srt.utils import stream_trace
 from srt.utils.ipc import PortArgs, Receiver, Sender
 from srt.utils.logging import configure_logging
-from srt.utils.process import (
-    freeze_startup_heap,
-    set_parent_death_signal,
-    yield_to_ranks_on_wakeup,
-)
+from srt.utils.process import freeze_startup_heap, set_parent_death_signal
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
     set_parent_death_signal()
-    yield_to_ranks_on_wakeup()
     configure_logging(server_args.log_level, prefix="detokenizer")
     from transformers import AutoTokenizer
 

@@ -204,6 +204,7 @@ def run_scheduler_process(
             "max_req_input_len": scheduler.max_req_input_len,
             "context_len": scheduler.model_config.context_len,
             "vocab_size": scheduler.model_config.vocab_size,
+            "front_end_core": front_end_has_a_core(scheduler),
         }
     )
     failure = RankFailure(
@@ -224,6 +225,14 @@ def run_scheduler_process(
             logger.error("%s", traceback.format_exc())
         what = f"{scheduler.current_step} failed: {_first_line(e)}"
         failure.exit(what, wait_for_peers=PEER_WAIT_S if peer_gone else 0.0)
+
+
+def front_end_has_a_core(scheduler: Scheduler) -> bool:
+    """This rank's decode steps leave a core to the front end (``CpuThreads``): then the
+    front-end processes may wait for it rather than preempt the rank (see
+    ``yield_to_ranks_on_wakeup``)."""
+    threads = scheduler.model_runner.cpu_threads
+    return threads is not None and threads.leaves_front_end_a_core(scheduler.max_running_requests)
 
 
 def _first_line(error: BaseException) -> str:

@@ -93,6 +93,11 @@ class CpuThreads:
             return self.lean_decode_threads
         return self.decode_threads
 
+    def leaves_front_end_a_core(self, max_sequences: int) -> bool:
+        """Every decode step (up to ``max_sequences``) runs on fewer threads than prefill, so
+        the front end has a core of its own while the model decodes."""
+        return self.threads_for(ForwardMode.DECODE, max_sequences) < self.extend_threads
+
     def apply(self, mode: ForwardMode, sequences: int) -> None:
         threads = self.threads_for(mode, sequences)
         if threads != self.current:

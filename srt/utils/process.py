@@ -37,20 +37,23 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def yield_to_ranks_on_wakeup() -> bool:
-    """Put every thread of this process, and the threads they start later, under SCHED_BATCH:
-    the same share of the CPU as before, but a wake-up no longer preempts the thread running
-    on that core. For the front-end processes (HTTP, detokenizer, DP controller), which wake
-    up for every step's output: on a machine with few cores the core they woke on was often a
-    rank's, and its step waited for them (measured on 2 cores: a decode step's main thread
-    preempted in 19-31 % of steps, 6-11 % after). They now run on an idle core, or take their
-    turn when the rank's time slice ends. Linux only; elsewhere, or if refused, nothing
-    changes and False is returned."""
+def yield_to_ranks_on_wakeup(pid: int | None = None) -> bool:
+    """Put every thread of process ``pid`` (default: this one), and the threads they start
+    later, under SCHED_BATCH: the same share of the CPU as before, but a wake-up no longer
+    preempts the thread running on that core. For the front-end processes (HTTP,
+    detokenizer, DP controller), which wake up for every step's output, when the ranks leave
+    them a core in decode: the core they woke on was often a rank's, and its step waited for
+    them (2 cores, small model: a decode step's main thread preempted in 19-31 % of steps,
+    6-11 % after). Where the ranks decode on every core it is left alone: a front end woken
+    at a step's end preempts a rank between its parallel regions, one that waits for the
+    scheduler tick preempts it inside one, and every thread of the region waits (2 cores, mid
+    model: decode steps 2-22 % slower). Linux only; elsewhere, or if refused, nothing changes
+    and False is returned."""
     if not hasattr(os, "SCHED_BATCH"):
         return False
     try:
-        threads = [int(t) for t in os.listdir("/proc/self/task")]
-        for tid in threads:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid or 'self'}/task")]
+        for tid in tids:
             os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
     except OSError:
         return False

@@ -38,6 +38,15 @@ def test_small_model_leaves_a_core_to_the_front_end_in_decode():
 def test_large_dense_model_decodes_on_every_core():
     threads = _threads(DecodeWeights(SMALL_MODEL_BYTES))
     assert threads.threads_for(ForwardMode.DECODE, 1) == CORES
+    assert not threads.leaves_front_end_a_core(1)
+
+
+@pytest.mark.skipif(CORES < 2, reason="one core: nothing to leave")
+def test_front_end_core_only_when_every_decode_step_leaves_it():
+    assert _threads(DecodeWeights(SMALL_MODEL_BYTES - 1)).leaves_front_end_a_core(256)
+    moe = _threads(DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6))
+    assert moe.leaves_front_end_a_core(2) and not moe.leaves_front_end_a_core(3)
+    assert _threads(DecodeWeights(1), cpu_decode_threads=CORES - 1).leaves_front_end_a_core(1)
 
 
 def test_mixture_of_experts_counts_the_experts_its_sequences_reach():
