@@ -36,6 +36,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from pipeline.model import Stage, loss_fn
 from pipeline.schedules import Comm, Compute, Pair, Schedule
+from pipeline.simulator import message_key
 from srt.batch_overlap.ubatching import UBatchThreads
 
 
@@ -47,6 +48,9 @@ class StepRecord:
     spans: list[tuple[str, float, float]] = field(default_factory=list)
     peak_bytes: int = 0  # activations kept for backwards, at most at once
     peak_chunks: int = 0  # chunks (stage, micro-batch) holding them, at most at once
+    # message_key → a send's post time, or a receive's wait (start, end); host clock
+    sends: dict[str, float] = field(default_factory=dict)
+    receives: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class RankExecutor:
@@ -108,15 +112,18 @@ class RankExecutor:
             self.threads.close()
 
     def _comm(self, c: Comm) -> None:
-        tag = self._tag(c.what, c.stage, c.mb)
+        tag, key = self._tag(c.what, c.stage, c.mb), message_key(c.what, c.stage, c.mb)
         if c.kind == "send":
             store = self._outputs if c.what == "act" else self._grads
             tensor = store.pop((c.stage, c.mb)).contiguous()
+            self._record.sends[key] = time.perf_counter()
             work = dist.isend(tensor, self.peers[c.peer], tag=tag)
             self._sends.append((work, tensor))  # the tensor lives until the send is done
             return
         work, buf = self._recvs.pop((c.what, c.stage, c.mb))
+        start = time.perf_counter()
         work.wait()
+        self._record.receives[key] = (start, time.perf_counter())
         self._inbox[(c.what, c.stage, c.mb)] = buf
 
     def _post_receives(self) -> dict:

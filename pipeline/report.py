@@ -8,6 +8,8 @@ import statistics
 
 from pipeline.simulator import Costs, simulate
 
+WAITED_S = 50e-6  # a receive's wait longer than this waited for its message
+
 
 def _cost_key(name: str) -> str:
     """A span's ``cost_key`` from its action's name (``Bi3@s2`` → ``Bi@s2``, ``(F3@s0&B1@s3)``
@@ -31,14 +33,32 @@ def _costs(ranks: list[dict], steps: range) -> tuple[dict, dict]:
     return by_stage, by_kind
 
 
+def message_times(ranks: list[dict], step: int, p2p: float) -> dict[str, float]:
+    """Each message's transfer time in ``step``, from its send's post to its arrival, where
+    every rank read the same clock (else none: the scalar ``p2p`` stands for all). A receive
+    that waited saw the arrival; one that found its message there bounds it (the time of a
+    message on a busy link, ``p2p``, at most that bound)."""
+    if len({r["clock"] for r in ranks}) != 1:
+        return {}
+    sent = {k: t for r in ranks for k, t in r["sends"][step].items()}
+    out = {}
+    for r in ranks:
+        for key, (t0, t1) in r["receives"][step].items():
+            if key in sent:
+                waited = t1 - t0 > WAITED_S
+                out[key] = max(0.0, t1 - sent[key] if waited else min(p2p, t0 - sent[key]))
+    return out
+
+
 def summarize(cfg, ranks: list[dict]) -> dict:
     """The run's figures: each step's loss and time; from the steps after the first, the
     median step time, each computation kind's median cost, and per pipeline rank (of EP rank
     0) the bubble measured from its own timeline (the step's time minus its computing time)
-    against two simulations of the schedule with the measured message time: ``replayed``,
-    each step's every action costing what it measured in that step, so that only the waits
+    against two simulations of the schedule: ``replayed``, each step's every action and
+    message taking what it measured in that step (``message_times``), so that only the waits
     the schedule implies are left to differ (the median over the steps); ``modelled``, every
-    action of a kind and stage costing that kind's and stage's median. And the peak
+    action of a kind and stage costing that kind's and stage's median, every message the time
+    of one on a busy link (``p2p``). And the peak
     activations kept (bytes and chunks) against the simulator's peak chunks."""
     steps = range(1 if cfg.steps > 1 else 0, cfg.steps)
     seconds = [max(r["seconds"][i] for r in ranks) for i in range(cfg.steps)]
@@ -47,8 +67,8 @@ def summarize(cfg, ranks: list[dict]) -> dict:
     median = statistics.median
     schedule, p2p = cfg.schedule(), ranks[0]["p2p"]
     replayed = [simulate(schedule, Costs(p2p=p2p, by_action={
-        name: t1 - t0 for r in pipeline_ranks for name, t0, t1 in r["spans"][i]}))
-        for i in steps]  # fmt: skip
+        name: t1 - t0 for r in pipeline_ranks for name, t0, t1 in r["spans"][i]},
+        by_message=message_times(pipeline_ranks, i, p2p))) for i in steps]  # fmt: skip
     modelled = simulate(schedule, Costs(p2p=p2p, by_stage={k: median(v) for k, v in
                                                              by_stage.items()}))  # fmt: skip
     per_rank = []

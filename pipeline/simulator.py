@@ -7,9 +7,9 @@ Costs are per action of one stage (a chunk): F, B (a whole backward: input and w
 gradients), W (the weight-gradient part, so a split backward costs B − W), FB (an F&B pair run
 overlapped; default F + B, no overlap), p2p (a message's transfer), a2a (the MoE all-to-all of
 one forward or one backward, exposed in F and B alone; an F&B pair's cost says how much of its
-two stays exposed). ``by_stage`` overrides them per action kind and stage (``cost_key``), and
-``by_action`` per action (its name), for costs measured. Messages are asynchronous sends and
-blocking receives.
+two stays exposed). ``by_stage`` overrides them per action kind and stage (``cost_key``),
+``by_action`` per action (its name) and ``by_message`` the transfer time per message
+(``message_key``), for costs measured. Messages are asynchronous sends and blocking receives.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Costs:
     Bi: float | None = None  # a split backward (input gradient only); B − W when None
     by_stage: dict[str, float] = field(default_factory=dict)  # cost_key → cost
     by_action: dict[str, float] = field(default_factory=dict)  # str(action) → cost
+    by_message: dict[str, float] = field(default_factory=dict)  # message_key → transfer time
 
     def of(self, action: Compute | Pair) -> float:
         if (cost := self.by_action.get(str(action))) is not None:
@@ -57,6 +58,12 @@ class Costs:
         if action.split_w:
             return (self.B - self.W if self.Bi is None else self.Bi) + self.a2a
         return self.B + self.a2a
+
+
+def message_key(what: str, stage: int, mb: int) -> str:
+    """``act3@s1`` (stage 1's output for micro-batch 3), ``grad3@s2`` (the gradient of stage
+    2's input): one message each, from the rank holding the stage."""
+    return f"{what}{mb}@s{stage}"
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,8 @@ class _Run:
         if isinstance(action, Comm):
             key = (action.what, action.stage, action.mb)
             if action.kind == "send":
-                self.sent[(*key, action.peer)] = clock + self.costs.p2p
+                p2p = self.costs.by_message.get(message_key(*key), self.costs.p2p)
+                self.sent[(*key, action.peer)] = clock + p2p
                 return clock, clock
             arrival = self.sent.get((*key, rank))
             if arrival is None:

@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import time
@@ -113,6 +114,17 @@ def train_rank(rank: int, world: int, init_method: str, cfgs: list[TrainConfig],
         dist.destroy_process_group()
 
 
+def host_clock() -> str:
+    """Which clock ``time.perf_counter`` reads: the kernel's boot id (Linux; the processes of
+    one machine, network namespaces included, share it), else the host's name and pid (no
+    other rank is assumed to share it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def measure_p2p(cfg: TrainConfig, rank: int, peers: list[int], repeats: int = 3,
                 burst: int = 8) -> float:  # fmt: skip
     """One activation's time from a pipeline rank to its neighbour on a busy link: pipeline
@@ -169,8 +181,8 @@ def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
     named, executor = _build(rank, cfg, ep)
     opt = torch.optim.SGD([p for _, p in named], lr=cfg.lr)
     out = {"losses": [], "seconds": [], "grads": {}, "spans": [], "peak_bytes": [],
-           "peak_chunks": [], "a2a_bytes": [],
-           "p2p": measure_p2p(cfg, rank, executor.peers)}  # fmt: skip
+           "peak_chunks": [], "a2a_bytes": [], "sends": [], "receives": [],
+           "clock": host_clock(), "p2p": measure_p2p(cfg, rank, executor.peers)}  # fmt: skip
     for step in range(cfg.steps):
         opt.zero_grad()
         ids, labels = batches(cfg, step)
@@ -181,6 +193,8 @@ def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
         out["a2a_bytes"].append(ep.bytes_exchanged - before)
         out["losses"].append(record.loss)
         out["spans"].append([(name, t0 - start, t1 - start) for name, t0, t1 in record.spans])
+        out["sends"].append(record.sends)  # on the host's clock: compared across ranks
+        out["receives"].append(record.receives)
         out["peak_bytes"].append(record.peak_bytes)
         out["peak_chunks"].append(record.peak_chunks)
         if group is not None:  # data parallel over the EP group: sum the replicated gradients

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from pipeline.report import message_times
 from pipeline.schedules import Comm, Compute, Pair, dualpipev, make_schedule
 from pipeline.simulator import Costs, ScheduleError, check, simulate
 from pipeline.train import main as train_main
@@ -53,6 +54,28 @@ def test_dualpipev_bubble(pp, fb):
     assert max(detach.bubbles()) == pytest.approx((2 * pp / 2 - 1) * (fb + B - 3 * W))
     whole = simulate(dualpipev(pp, 3 * pp, dw_detach=False), costs)
     assert max(whole.bubbles()) == pytest.approx((pp - 1) * (fb + B - W))
+
+
+def test_a_late_message_delays_its_receiver():
+    """``by_message``: one slow message holds up what needs it, the others keep ``p2p``."""
+    schedule = make_schedule("1f1b", 2, 4)
+    base = simulate(schedule, Costs(F=1.0, B=2.0, p2p=0.1))
+    slow = simulate(schedule, Costs(F=1.0, B=2.0, p2p=0.1, by_message={"act0@s0": 0.6}))
+    assert slow.makespan == pytest.approx(base.makespan + 0.5)  # the pipeline's first wait
+    first = next(s for s in slow.spans if s.rank == 1)
+    assert str(first.action) == "F0@s1" and first.start == pytest.approx(1.6)
+
+
+def test_message_times_from_the_ranks_clocks():
+    """A receive that waited saw its message arrive; one that did not bounds it; ranks on
+    different clocks give none."""
+    sender = {"clock": "a", "sends": [{"act0@s0": 1.0, "act1@s0": 2.0}], "receives": [{}]}
+    receiver = {"clock": "a", "sends": [{}],
+                "receives": [{"act0@s0": (1.1, 1.5), "act1@s0": (2.05, 2.05)}]}  # fmt: skip
+    assert message_times([sender, receiver], 0, p2p=0.2) == pytest.approx(
+        {"act0@s0": 0.5, "act1@s0": 0.05}
+    )
+    assert message_times([sender, {**receiver, "clock": "b"}], 0, p2p=0.2) == {}
 
 
 def test_dualpipev_holds_fewer_activations_than_one_f_one_b_per_stage():
