@@ -43,8 +43,8 @@ def yield_to_ranks_on_wakeup(pid: int | None = None) -> bool:
     preempts the thread running on that core. For the front-end processes (HTTP,
     detokenizer, DP controller), which wake up for every step's output, when the ranks leave
     them a core in decode: the core they woke on was often a rank's, and its step waited for
-    them (2 cores, small model: a decode step's main thread preempted in 19-31 % of steps,
-    6-11 % after). Where the ranks decode on every core it is left alone: a front end woken
+    them (2 cores, small model: 0.19-0.31 preemptions of a decode step's main thread per
+    step, 0.06-0.11 after). Where the ranks decode on every core it is left alone: a front end woken
     at a step's end preempts a rank between its parallel regions, one that waits for the
     scheduler tick preempts it inside one, and every thread of the region waits (2 cores, mid
     model: decode steps 2-22 % slower). Linux only; elsewhere, or if refused, nothing changes
