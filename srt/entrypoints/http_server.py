@@ -72,15 +72,11 @@ async def parse_generate_request(request: Request) -> GenerateReqInput:
 
 
 async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: Request):
-    """Starts the request (so bad input still gets a 400), then streams SSE lines."""
-    gen = tm.generate_request(obj, request)
-    try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:  # the client left before the first output; it was aborted
-        return Response(status_code=499)
+    """Starts the request (so bad input still gets a 400), then streams SSE lines. The response
+    starts before the first output, so that output goes out as soon as it is made."""
+    gen = await tm.start_request(obj, request)
 
     async def lines() -> AsyncIterator[bytes]:
-        yield sse_line(first)
         try:
             async for out in gen:
                 yield sse_line(out)

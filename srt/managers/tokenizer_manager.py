@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import zmq
@@ -37,6 +37,8 @@ DISCONNECT_CHECK_S = 1.0
 WARMUP_TEXT = "The capital city of France is"
 WARMUP_NEW_TOKENS = 8
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+# What generate_request yields first for start_request: the request is in the scheduler's hands.
+_SUBMITTED: dict = {"submitted": True}
 
 
 class ServerOverloadedError(Exception):
@@ -128,9 +130,21 @@ class TokenizerManager:
             stream=obj.stream,
         )
 
-    async def generate_request(
+    async def start_request(
         self, obj: GenerateReqInput, request: Any = None
-    ) -> AsyncIterator[dict | list[dict]]:
+    ) -> AsyncGenerator[dict | list[dict], None]:
+        """``generate_request``, returned once the request is checked and sent to the scheduler
+        (bad input raises here), before its first output: a stream's response can start, and
+        its first chunk goes out as soon as it is made, like every later one. Closing the
+        generator, or dropping it, aborts the request."""
+        gen = self.generate_request(obj, request, _announce_submitted=True)
+        first = await gen.__anext__()
+        assert first is _SUBMITTED
+        return gen
+
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None, *, _announce_submitted: bool = False
+    ) -> AsyncGenerator[dict | list[dict], None]:
         """Yields result dicts (SGLang's shape): every update when streaming, else the final one
         (a list of them for a batch). Raises ValueError for bad input before anything runs."""
         self._ensure_handle_loop()
@@ -144,6 +158,14 @@ class TokenizerManager:
         if any(item.rid in self.rid_to_state for item in items):
             raise ValueError("rid: a request with this id is already running")
         states = [self._submit(item, tok) for item, tok in zip(items, tokenized)]
+        if _announce_submitted:
+            try:
+                yield _SUBMITTED
+            except GeneratorExit:  # closed before its outputs were awaited
+                for state in states:
+                    self.abort_request(state.obj.rid)
+                    self.rid_to_state.pop(state.obj.rid, None)
+                raise
         if obj.is_single:
             async for out in self._wait_one(states[0], request):
                 yield out

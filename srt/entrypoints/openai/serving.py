@@ -16,7 +16,8 @@ def add_openai_routes(app: FastAPI, tm: Any) -> None:
     """Register /v1/models, /v1/models/{id}, /v1/completions and /v1/chat/completions.
 
     ``tm`` needs ``generate_request(obj, request)`` (an async generator of SGLang-shaped
-    outputs that raises ValueError for bad input), ``tokenizer``, ``served_model_name``,
+    outputs that raises ValueError for bad input), ``start_request(obj, request)`` (that
+    generator, awaited until the request is submitted), ``tokenizer``, ``served_model_name``,
     ``model_path``, ``context_len``, ``tool_call_parser`` and ``expand_parallel_samples``.
     """
     completions = OpenAIServingCompletion(tm)

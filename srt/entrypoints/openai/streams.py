@@ -1,8 +1,10 @@
 """Running one OpenAI request's prompts through ``TokenizerManager.generate_request``.
 
 Each prompt is its own single request, so several prompts run concurrently in the scheduler.
-Streams are primed (their first output awaited) before the HTTP response starts, so that a
-``ValueError`` for bad input is still answered with a 400 and not inside a 200 stream.
+Streams are started (``TokenizerManager.start_request``: checked and sent to the scheduler)
+before the HTTP response starts, so that a ``ValueError`` for bad input is still answered with
+a 400 and not inside a 200 stream; their first output is not awaited there, so it goes out as
+soon as it is made, like every later one.
 Whatever stops early (an error, a disconnect) cancels or closes the other prompts' generators,
 which makes the TokenizerManager abort them.
 """
@@ -16,8 +18,6 @@ from typing import Any
 
 from srt.entrypoints.openai.utils import OpenAIError
 from srt.managers.io_struct import GenerateReqInput
-
-PrimedStream = tuple[dict | None, AsyncGenerator[dict, None]]
 
 
 async def gather_or_cancel(awaitables: list[Awaitable[Any]]) -> list[Any]:
@@ -49,15 +49,18 @@ async def _final(tm: Any, obj: GenerateReqInput, request: Any) -> dict | None:
     return final
 
 
-async def open_streams(tm: Any, objs: list[GenerateReqInput], request: Any) -> list[PrimedStream]:
-    """Start every prompt and wait for its first output; input errors are raised here."""
-    gens = [tm.generate_request(obj, request) for obj in objs]
+async def open_streams(
+    tm: Any, objs: list[GenerateReqInput], request: Any
+) -> list[AsyncGenerator[dict, None]]:
+    """Start every prompt (input errors are raised here, with every started one aborted)."""
+    started: list[AsyncGenerator[dict, None]] = []
     try:
-        firsts = await gather_or_cancel([_first(gen) for gen in gens])
+        for obj in objs:
+            started.append(await tm.start_request(obj, request))
     except BaseException:
-        await close_all(gens)
+        await close_all(started)
         raise
-    return list(zip(firsts, gens))
+    return started
 
 
 async def close_all(gens: list[AsyncGenerator[dict, None]]) -> None:
@@ -66,17 +69,12 @@ async def close_all(gens: list[AsyncGenerator[dict, None]]) -> None:
             await gen.aclose()
 
 
-async def _first(gen: AsyncGenerator[dict, None]) -> dict | None:
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None  # the client went away before the first output
-
-
-async def merge_streams(streams: list[PrimedStream]) -> AsyncIterator[tuple[int, dict]]:
+async def merge_streams(
+    streams: list[AsyncGenerator[dict, None]],
+) -> AsyncIterator[tuple[int, dict]]:
     """(prompt index, output) pairs from all streams, in arrival order."""
     if len(streams) == 1:
-        async for out in _replay(*streams[0]):
+        async for out in _closing(streams[0]):
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, dict | Exception | None]] = asyncio.Queue()
@@ -99,20 +97,17 @@ async def merge_streams(streams: list[PrimedStream]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(index: int, stream: PrimedStream, queue: asyncio.Queue) -> None:
+async def _pump(index: int, stream: AsyncGenerator[dict, None], queue: asyncio.Queue) -> None:
     try:
-        async for out in _replay(*stream):
+        async for out in _closing(stream):
             queue.put_nowait((index, out))
         queue.put_nowait((index, None))
     except Exception as e:  # handed to the consumer, which raises it
         queue.put_nowait((index, e))
 
 
-async def _replay(first: dict | None, gen: AsyncGenerator[dict, None]) -> AsyncIterator[dict]:
+async def _closing(gen: AsyncGenerator[dict, None]) -> AsyncIterator[dict]:
     try:
-        if first is None:
-            return
-        yield first
         async for out in gen:
             yield out
     finally:

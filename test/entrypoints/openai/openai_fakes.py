@@ -1,6 +1,6 @@
 """A deterministic stand-in for the TokenizerManager, with the interface the OpenAI layer uses:
-``generate_request``, ``expand_parallel_samples``, ``tokenizer``, ``served_model_name``,
-``model_path``, ``context_len``.
+``generate_request``, ``start_request``, ``expand_parallel_samples``, ``tokenizer``,
+``served_model_name``, ``model_path``, ``context_len``.
 
 Every request answers with the words of CANNED, one token each, cut by ``max_new_tokens``
 (finish "length") or by a stop string (finish "stop", the stop string trimmed), else ending with
@@ -69,12 +69,22 @@ class FakeTokenizerManager:
     def admit(self, num_requests: int) -> None:
         """Room for every request (the real bound is tested against a real server)."""
 
-    async def generate_request(self, obj: GenerateReqInput, request: Any = None):
+    async def start_request(self, obj: GenerateReqInput, request: Any = None):
+        """The stream, once its input is checked (as the real one: closing it aborts)."""
+        gen = self.generate_request(obj, request, _announce_submitted=True)
+        await gen.__anext__()
+        return gen
+
+    async def generate_request(
+        self, obj: GenerateReqInput, request: Any = None, *, _announce_submitted: bool = False
+    ):
         self.requests.append(obj)
         prompt_len = self._check(obj)
         steps = self._plan(obj)
         step_s = SLOW_STEP_S if "slow" in (obj.text or "") else 0
         try:
+            if _announce_submitted:
+                yield None
             for num_tokens, text, finish in steps:
                 if obj.stream or finish is not None:
                     yield self._output(obj, prompt_len, num_tokens, text, finish)
