@@ -134,6 +134,17 @@ class ServerArgs(OverlapArgs):
             "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens.",
         ),
     )
+    prefill_burst_hold_ms: float = field(
+        default=50.0,
+        metadata=_arg(
+            "memory",
+            "While requests decode and new ones are still arriving (the last look at the "
+            "queue found some), hold their prefill, up to this long after the first of them "
+            "arrived, so that a burst is prefilled at once and the running requests pay one "
+            "gap, not one per fragment; never when the waiting prompts fill a prefill batch. "
+            "0 prefills whatever has arrived at once.",
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )

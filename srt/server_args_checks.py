@@ -72,6 +72,7 @@ def check_ranges(args: ServerArgs) -> None:
         "applies to --device cpu only",
     )
     require(args.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
+    require(args.prefill_burst_hold_ms >= 0, "prefill_burst_hold_ms", "must be ≥ 0")
     require(
         args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0,
         "chunked_prefill_size",

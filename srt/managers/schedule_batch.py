@@ -8,6 +8,7 @@ the cache tree (locked through ``last_node``), the rest to the request.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class Req:
         device: str | torch.device = "cpu",
     ):
         self.rid = rid
+        self.arrival_time = time.monotonic()
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params, self.stream = sampling_params, stream
         self.eos_token_ids = set(eos_token_ids or ())

@@ -4,11 +4,13 @@ SchedulePolicy orders the waiting queue (fcfs, or lpm: longest cached prefix fir
 each request's prefix. PrefillAdder admits requests while the KV budget allows: free plus
 evictable slots, minus the room reserved for the decode of running requests (their remaining
 ``max_new_tokens`` scaled by ``new_token_ratio``, as SGLang), and cuts a prompt that exceeds the
-chunk budget into a chunk (chunked prefill).
+chunk budget into a chunk (chunked prefill). PrefillBurstHold decides when a prefill waits
+for the rest of a burst of requests.
 """
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 from typing import Any
 
@@ -22,6 +24,8 @@ MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
 LPM_MAX_QUEUE = 128
+# A burst has arrived once no request came for this long (PrefillBurstHold).
+BURST_QUIET_S = 0.01
 
 
 class NewTokenRatio:
@@ -59,6 +63,41 @@ class SchedulePolicy:
         for req in waiting:
             req.init_next_round_input(self.tree_cache)
         waiting.sort(key=lambda r: -len(r.prefix_indices))
+
+
+class PrefillBurstHold:
+    """Holds a prefill while a burst of requests is still arriving and other requests decode.
+
+    Requests sent at once reach the scheduler over tens of milliseconds (the client and the
+    HTTP process handle them one by one, a few milliseconds apart on a busy host). Prefilling
+    each fragment as it arrives makes every request already decoding wait for each later
+    fragment's prefill, and a fragment prefilled while many decode hits them all. While
+    requests keep arriving (the last one less than BURST_QUIET_S ago), the prefill is held and
+    the running requests decode on; the burst is then prefilled in one batch. Never longer
+    than ``hold_s`` after the oldest waiting request arrived, never when nothing decodes, and
+    not when the waiting prompts already fill a prefill batch (``budget`` tokens).
+    """
+
+    def __init__(self, hold_s: float, budget: int):
+        self.hold_s, self.budget = hold_s, budget
+        self.last_arrival = float("-inf")
+        self.num_holds = 0
+
+    def on_arrival(self) -> None:
+        self.last_arrival = time.monotonic()
+
+    def holds(self, waiting: list[Req], decoding: bool) -> bool:
+        if not (self.hold_s and decoding and waiting):
+            return False
+        now = time.monotonic()
+        if now - self.last_arrival >= BURST_QUIET_S:
+            return False
+        if now - min(r.arrival_time for r in waiting) >= self.hold_s:
+            return False
+        if sum(len(r.origin_input_ids) for r in waiting) >= self.budget:
+            return False
+        self.num_holds += 1
+        return True
 
 
 class AddReqResult(Enum):

@@ -13,7 +13,13 @@ from typing import Any
 from srt.constrained.grammar import GrammarBackend, grammar_spec
 from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
-from srt.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
+from srt.managers.schedule_policy import (
+    AddReqResult,
+    NewTokenRatio,
+    PrefillAdder,
+    PrefillBurstHold,
+    SchedulePolicy,
+)
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
@@ -98,6 +104,9 @@ class Scheduler:
         self.finished_outside_batch: list[Req] = []
         self.policy = SchedulePolicy(self.server_args.schedule_policy, self.tree_cache)
         self.new_token_ratio = NewTokenRatio()
+        self.burst_hold = PrefillBurstHold(
+            self.server_args.prefill_burst_hold_ms / 1e3, self._prefill_budget()
+        )
         self.output_processor = SchedulerOutputProcessor(
             self.tree_cache, self.tokenizer, self.server_args.stream_interval
         )
@@ -136,6 +145,7 @@ class Scheduler:
             self.finished_outside_batch.append(req)
             return
         self.waiting_queue.append(req)
+        self.burst_hold.on_arrival()
 
     def _attach_grammar(self, req: Req) -> str | None:
         """Compile the request's constraint into its matcher; an error message if that fails."""
@@ -223,6 +233,9 @@ class Scheduler:
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        decoding = not self.running_batch.is_empty()
+        if self.chunked_req is None and self.burst_hold.holds(self.waiting_queue, decoding):
+            return None  # the running requests decode while the rest of the burst arrives
         running = self.running_batch.reqs
         max_new_reqs = min(
             self.max_running_requests - len(running),
@@ -251,13 +264,17 @@ class Scheduler:
     def _mixed_decode_tokens(self) -> int:
         """Under --enable-mixed-chunk, the decode tokens of the running requests (one each)
         that ride in the next prefill's batch; 0 when they would leave the prefill no room."""
-        args, num_running = self.server_args, len(self.running_batch.reqs)
-        if not args.enable_mixed_chunk:
+        num_running = len(self.running_batch.reqs)
+        if not self.server_args.enable_mixed_chunk:
             return 0
-        budget = args.max_prefill_tokens
+        return num_running if num_running < self._prefill_budget() else 0
+
+    def _prefill_budget(self) -> int:
+        """New tokens one prefill batch may hold."""
+        args = self.server_args
         if args.enable_chunked_prefill:
-            budget = min(budget, args.chunked_prefill_size)
-        return num_running if num_running < budget else 0
+            return min(args.max_prefill_tokens, args.chunked_prefill_size)
+        return args.max_prefill_tokens
 
     def _make_prefill_batch(self, adder: PrefillAdder, mix: bool) -> ScheduleBatch | None:
         can_run = adder.can_run_list
@@ -375,6 +392,7 @@ class Scheduler:
             "num_protected_tokens": self.tree_cache.protected_size(),
             "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
             "num_retracted_reqs": self.num_retracted_reqs,
+            "num_prefill_burst_holds": self.burst_hold.num_holds,
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,

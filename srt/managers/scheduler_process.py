@@ -101,6 +101,8 @@ class SchedulerLoop:
     def handle(self, msg: object) -> None:
         sched = self.scheduler
         if isinstance(msg, TokenizedGenerateReqInput):
+            if self.is_entry:
+                stream_trace.record("received", [msg.rid], [0])
             sched.add_request(msg)
         elif isinstance(msg, AbortReq):
             sched.abort_request(msg)

@@ -266,6 +266,7 @@ class TokenizerManager:
     def _submit(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput) -> ReqState:
         state = ReqState(obj, len(tokenized.input_ids), self.tokenizer)
         self.rid_to_state[obj.rid] = state
+        stream_trace.record("submitted", [obj.rid], [0])
         self.send_to_scheduler.send(tokenized)
         return state
 

@@ -4,10 +4,11 @@ chunks of a stream goes (``benchmark/serving/stream_timeline.py`` reads them).
 Off unless the environment variable ``SRT_STREAM_TRACE`` names a folder when a process starts;
 then each process appends one line per request and message, ``time stage rid tokens``, to
 ``<folder>/<stage>-<pid>.log``: ``time`` is ``time.monotonic()`` (one clock for the processes
-of a machine), ``tokens`` the request's output tokens so far. Stages: ``scheduler`` (a step's
-output about to go to the detokenizer), ``detokenizer`` (its text about to go on),
-``tokenizer`` (received by the HTTP process), ``http`` (a stream's chunk handed to the
-response).
+of a machine), ``tokens`` the request's output tokens so far. Stages: ``submitted`` (the HTTP
+process sends the request to the scheduler) and ``received`` (the scheduler takes it in), both
+with 0 tokens; ``scheduler`` (a step's output about to go to the detokenizer),
+``detokenizer`` (its text about to go on), ``tokenizer`` (received by the HTTP process),
+``http`` (a stream's chunk handed to the response).
 """
 
 from __future__ import annotations

@@ -5,11 +5,13 @@ finishes leave no leaked slots."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 import srt
 from srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from srt.managers.schedule_policy import BURST_QUIET_S
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -229,6 +231,64 @@ def test_server_stream_interval_and_request_override(qwen3_moe_path):
 def test_stream_interval_flag_is_checked(qwen3_moe_path):
     with pytest.raises(ValueError, match="--stream-interval"):
         ServerArgs(model_path=qwen3_moe_path, stream_interval=0)
+    with pytest.raises(ValueError, match="--prefill-burst-hold-ms: must be ≥ 0"):
+        ServerArgs(model_path=qwen3_moe_path, prefill_burst_hold_ms=-1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
+    """While a request decodes, requests that keep arriving are not prefilled one by one: the
+    running one decodes until none came for BURST_QUIET_S, then they are prefilled in one
+    batch; never past --prefill-burst-hold-ms after the oldest arrived, nor when the waiting
+    prompts fill a prefill batch, nor when nothing decodes."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=1024, chunked_prefill_size=64)
+    scheduler = Scheduler(args)
+    steps: list[tuple[str, list[int]]] = []
+    get_next_batch = scheduler.get_next_batch
+
+    def spy():
+        batch = get_next_batch()
+        if batch is not None:
+            steps.append((batch.forward_mode.name, list(batch.extend_lens or [])))
+        return batch
+
+    def arrive(rid: str, n: int, dt: float = 0.0) -> None:
+        clock.now += dt
+        scheduler.add_request(_tokenized(rid, list(range(5, 5 + n)), max_new_tokens=40))
+        _step(scheduler, finished)
+
+    scheduler.get_next_batch = spy
+    finished: dict[str, dict] = {}
+    arrive("first", 3)  # nothing decodes: prefilled at once
+    arrive("a", 4, 0.001)
+    arrive("b", 5, 0.004)
+    clock.now += BURST_QUIET_S  # the burst is over
+    _step(scheduler, finished)
+    assert steps == [("EXTEND", [3]), ("DECODE", []), ("DECODE", []), ("EXTEND", [4, 5])]
+
+    # Arrivals that never stop: held until 50 ms after the oldest waiting one arrived.
+    del steps[:]
+    for i in range(8):
+        arrive(f"c{i}", 2, 1 / 128)  # c7 comes 54.7 ms after c0
+    assert steps == [("DECODE", [])] * 7 + [("EXTEND", [2] * 8)]
+
+    # A burst that fills a prefill batch (64 tokens here) waits for nothing.
+    del steps[:]
+    arrive("long", 64, 0.001)
+    assert steps == [("EXTEND", [64])]
+    assert scheduler.get_internal_state()["num_prefill_burst_holds"] == 9
+    _run_until_idle(scheduler, finished)
+    scheduler.check_memory()
+    assert len(finished) == 12
 
 
 def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
@@ -241,6 +301,7 @@ def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
             max_total_tokens=512,
             chunked_prefill_size=12,
             enable_mixed_chunk=mixed,
+            prefill_burst_hold_ms=0,  # late's prefill starts in the step after it arrives
         )
         scheduler = Scheduler(args)
         reqs, shapes = {}, []
