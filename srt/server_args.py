@@ -145,6 +145,16 @@ class ServerArgs(OverlapArgs):
             "0 prefills whatever has arrived at once.",
         ),
     )
+    burst_chunk_size: int | None = field(
+        default=None,
+        metadata=_arg(
+            "memory",
+            "While requests decode and the waiting prompts need more than one prefill batch, "
+            "prefill them in mixed batches of at most this many new tokens, the running "
+            "requests decoding in each, so that their streams go on through the burst; -1 "
+            "disables. Default 512 on CPU without an overlap mode, else -1.",
+        ),
+    )
     disable_radix_cache: bool = field(
         default=False, metadata=_arg("memory", "Disable the radix prefix cache.")
     )
@@ -348,6 +358,9 @@ class ServerArgs(OverlapArgs):
         check_ranges(self)
         check_parallel(self)
         check_overlap(self)
+        if self.burst_chunk_size is None:  # mixed batches run unsplit under the overlap modes
+            cpu_plain = self.device == "cpu" and self.overlap_mode == "off"
+            self.burst_chunk_size = 512 if cpu_plain else -1
         check_kernels(self)
         if self.device == "cuda":
             check_gpus_per_node(self)

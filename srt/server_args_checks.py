@@ -74,6 +74,11 @@ def check_ranges(args: ServerArgs) -> None:
     require(args.max_prefill_tokens > 0, "max_prefill_tokens", "must be positive")
     require(args.prefill_burst_hold_ms >= 0, "prefill_burst_hold_ms", "must be ≥ 0")
     require(
+        args.burst_chunk_size in (None, -1) or args.burst_chunk_size > 0,
+        "burst_chunk_size",
+        "must be positive or -1",
+    )
+    require(
         args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0,
         "chunked_prefill_size",
         "must be positive or -1",

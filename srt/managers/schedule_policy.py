@@ -4,8 +4,8 @@ SchedulePolicy orders the waiting queue (fcfs, or lpm: longest cached prefix fir
 each request's prefix. PrefillAdder admits requests while the KV budget allows: free plus
 evictable slots, minus the room reserved for the decode of running requests (their remaining
 ``max_new_tokens`` scaled by ``new_token_ratio``, as SGLang), and cuts a prompt that exceeds the
-chunk budget into a chunk (chunked prefill). PrefillBurstHold decides when a prefill waits
-for the rest of a burst of requests.
+chunk budget into a chunk (chunked prefill). BurstPolicy decides when a prefill waits for the
+rest of a burst of requests, and when a burst's prefill is spread over mixed batches.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
 LPM_MAX_QUEUE = 128
-# A burst has arrived once no request came for this long (PrefillBurstHold).
+# A burst has arrived once no request came for this long (BurstPolicy).
 BURST_QUIET_S = 0.01
 
 
@@ -65,23 +65,29 @@ class SchedulePolicy:
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 
 
-class PrefillBurstHold:
-    """Holds a prefill while a burst of requests is still arriving and other requests decode.
+class BurstPolicy:
+    """How a burst of new requests is prefilled while other requests decode.
 
     Requests sent at once reach the scheduler over tens of milliseconds (the client and the
-    HTTP process handle them one by one, a few milliseconds apart on a busy host). Prefilling
-    each fragment as it arrives makes every request already decoding wait for each later
-    fragment's prefill, and a fragment prefilled while many decode hits them all. While
-    requests keep arriving (the last one less than BURST_QUIET_S ago), the prefill is held and
-    the running requests decode on; the burst is then prefilled in one batch. Never longer
-    than ``hold_s`` after the oldest waiting request arrived, never when nothing decodes, and
-    not when the waiting prompts already fill a prefill batch (``budget`` tokens).
+    HTTP process handle them one by one, a few milliseconds apart on a busy host).
+
+    Hold: prefilling each fragment as it arrives makes every request already decoding wait for
+    each later fragment's prefill, and a fragment prefilled while many decode hits them all.
+    While requests keep arriving (the last one less than BURST_QUIET_S ago), the prefill is
+    held and the running requests decode on; the burst is then prefilled in one batch. Never
+    longer than ``hold_s`` after the oldest waiting request arrived, never when nothing
+    decodes, and not when the waiting prompts already fill a prefill batch (``budget`` tokens).
+
+    Spread: a burst that needs more than one prefill batch would run its batches back to back
+    (prefill first), every running stream stopped for all of them. It is prefilled instead in
+    MIXED batches of at most ``spread_chunk`` new tokens, the running requests decoding in
+    each: many short gaps in place of one long one.
     """
 
-    def __init__(self, hold_s: float, budget: int):
-        self.hold_s, self.budget = hold_s, budget
+    def __init__(self, hold_s: float, budget: int, spread_chunk: int):
+        self.hold_s, self.budget, self.spread_chunk = hold_s, budget, spread_chunk
         self.last_arrival = float("-inf")
-        self.num_holds = 0
+        self.num_holds = self.num_spread_batches = 0
 
     def on_arrival(self) -> None:
         self.last_arrival = time.monotonic()
@@ -94,10 +100,23 @@ class PrefillBurstHold:
             return False
         if now - min(r.arrival_time for r in waiting) >= self.hold_s:
             return False
-        if sum(len(r.origin_input_ids) for r in waiting) >= self.budget:
+        if _prompt_tokens(waiting) >= self.budget:
             return False
         self.num_holds += 1
         return True
+
+    def spreads(self, waiting: list[Req], chunking: bool, num_running: int) -> bool:
+        """Whether the next prefill is a spread one (``chunking``: a prompt is mid-prefill)."""
+        if not 0 < self.spread_chunk < self.budget or not 0 < num_running < self.spread_chunk:
+            return False
+        if chunking or _prompt_tokens(waiting) > self.budget:
+            self.num_spread_batches += 1
+            return True
+        return False
+
+
+def _prompt_tokens(reqs: list[Req]) -> int:
+    return sum(len(r.origin_input_ids) for r in reqs)
 
 
 class AddReqResult(Enum):

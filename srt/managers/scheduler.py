@@ -15,9 +15,9 @@ from srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenera
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch, finish_abort
 from srt.managers.schedule_policy import (
     AddReqResult,
+    BurstPolicy,
     NewTokenRatio,
     PrefillAdder,
-    PrefillBurstHold,
     SchedulePolicy,
 )
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
@@ -104,8 +104,9 @@ class Scheduler:
         self.finished_outside_batch: list[Req] = []
         self.policy = SchedulePolicy(self.server_args.schedule_policy, self.tree_cache)
         self.new_token_ratio = NewTokenRatio()
-        self.burst_hold = PrefillBurstHold(
-            self.server_args.prefill_burst_hold_ms / 1e3, self._prefill_budget()
+        args = self.server_args
+        self.burst = BurstPolicy(
+            args.prefill_burst_hold_ms / 1e3, self._prefill_budget(), args.burst_chunk_size
         )
         self.output_processor = SchedulerOutputProcessor(
             self.tree_cache, self.tokenizer, self.server_args.stream_interval
@@ -145,7 +146,7 @@ class Scheduler:
             self.finished_outside_batch.append(req)
             return
         self.waiting_queue.append(req)
-        self.burst_hold.on_arrival()
+        self.burst.on_arrival()
 
     def _attach_grammar(self, req: Req) -> str | None:
         """Compile the request's constraint into its matcher; an error message if that fails."""
@@ -234,20 +235,20 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         decoding = not self.running_batch.is_empty()
-        if self.chunked_req is None and self.burst_hold.holds(self.waiting_queue, decoding):
+        if self.chunked_req is None and self.burst.holds(self.waiting_queue, decoding):
             return None  # the running requests decode while the rest of the burst arrives
         running = self.running_batch.reqs
         max_new_reqs = min(
             self.max_running_requests - len(running),
             self.ctx.req_to_token_pool.available_size() + (self.chunked_req is not None),
         )
-        mixed = self._mixed_decode_tokens()
+        mixed, chunk = self._prefill_shape()
         adder = PrefillAdder(
             self.ctx,
             running,
             self.new_token_ratio.value,
             self.server_args.max_prefill_tokens,
-            self.server_args.chunked_prefill_size,
+            chunk,
             max_new_reqs,
             mixed,
         )
@@ -261,13 +262,17 @@ class Scheduler:
                     break
         return self._make_prefill_batch(adder, mix=mixed > 0)
 
-    def _mixed_decode_tokens(self) -> int:
-        """Under --enable-mixed-chunk, the decode tokens of the running requests (one each)
-        that ride in the next prefill's batch; 0 when they would leave the prefill no room."""
-        num_running = len(self.running_batch.reqs)
-        if not self.server_args.enable_mixed_chunk:
-            return 0
-        return num_running if num_running < self._prefill_budget() else 0
+    def _prefill_shape(self) -> tuple[int, int]:
+        """The next prefill's decode tokens (the running requests that ride in its batch, one
+        token each) and its chunk budget: a burst's spread prefill (BurstPolicy) carries them
+        in chunks of --burst-chunk-size; under --enable-mixed-chunk every prefill carries them
+        (not when they would leave it no room)."""
+        args, num_running = self.server_args, len(self.running_batch.reqs)
+        if self.burst.spreads(self.waiting_queue, self.chunked_req is not None, num_running):
+            return num_running, args.burst_chunk_size
+        if args.enable_mixed_chunk and num_running < self._prefill_budget():
+            return num_running, args.chunked_prefill_size
+        return 0, args.chunked_prefill_size
 
     def _prefill_budget(self) -> int:
         """New tokens one prefill batch may hold."""
@@ -392,7 +397,8 @@ class Scheduler:
             "num_protected_tokens": self.tree_cache.protected_size(),
             "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
             "num_retracted_reqs": self.num_retracted_reqs,
-            "num_prefill_burst_holds": self.burst_hold.num_holds,
+            "num_prefill_burst_holds": self.burst.num_holds,
+            "num_spread_prefill_batches": self.burst.num_spread_batches,
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,

@@ -233,6 +233,53 @@ def test_stream_interval_flag_is_checked(qwen3_moe_path):
         ServerArgs(model_path=qwen3_moe_path, stream_interval=0)
     with pytest.raises(ValueError, match="--prefill-burst-hold-ms: must be ≥ 0"):
         ServerArgs(model_path=qwen3_moe_path, prefill_burst_hold_ms=-1)
+    with pytest.raises(ValueError, match="--burst-chunk-size: must be positive or -1"):
+        ServerArgs(model_path=qwen3_moe_path, burst_chunk_size=0)
+    assert ServerArgs(model_path=qwen3_moe_path, device="cpu").burst_chunk_size == 512
+    tbo = ServerArgs(
+        model_path=qwen3_moe_path, device="cpu", overlap_mode="tbo", moe_a2a_backend="torch"
+    )
+    assert tbo.burst_chunk_size == -1  # mixed batches run unsplit: no default spreading
+
+
+def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
+    """While a request decodes, waiting prompts that need more than one prefill batch go in
+    MIXED batches of --burst-chunk-size, the running requests decoding in each, where they
+    would otherwise be prefilled back to back; the outputs are the same."""
+    runs = {}
+    for spread in (-1, 8):
+        args = ServerArgs(
+            model_path=qwen3_moe_path,
+            max_total_tokens=512,
+            chunked_prefill_size=16,
+            burst_chunk_size=spread,
+            prefill_burst_hold_ms=0,
+        )
+        scheduler = Scheduler(args)
+        reqs, shapes = {}, []
+        get_next_batch = scheduler.get_next_batch
+
+        def spy(get_next_batch=get_next_batch, reqs=reqs, shapes=shapes):
+            batch = get_next_batch()
+            if batch is not None:
+                reqs.update((r.rid, r) for r in batch.reqs)
+                shapes.append((batch.forward_mode.name, batch.extend_lens))
+            return batch
+
+        scheduler.get_next_batch = spy
+        scheduler.add_request(_tokenized("early", [5, 6, 7], max_new_tokens=12))
+        _step(scheduler, {})  # early's prefill; it decodes from now on
+        for i in range(3):  # 18 prompt tokens: more than one batch of 16
+            scheduler.add_request(_tokenized(f"b{i}", list(range(10 + i, 16 + i)), 4))
+        _run_until_idle(scheduler)
+        scheduler.check_memory()
+        runs[spread] = ({rid: r.output_ids for rid, r in reqs.items()}, shapes[1:4])
+        spread_batches = scheduler.get_internal_state()["num_spread_prefill_batches"]
+        assert spread_batches == (0 if spread == -1 else 3)
+    assert runs[-1][1] == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
+    # 8 tokens a batch, one per running request: b0 and b1's first token, then the rest
+    assert runs[8][1] == [("MIXED", [6, 1, 1]), ("MIXED", [5, 1, 1, 1]), ("MIXED", [5, 1, 1, 1])]
+    assert runs[8][0] == runs[-1][0]
 
 
 class FakeClock:
