@@ -358,9 +358,7 @@ class ServerArgs(OverlapArgs):
         check_ranges(self)
         check_parallel(self)
         check_overlap(self)
-        if self.burst_chunk_size is None:  # mixed batches run unsplit under the overlap modes
-            cpu_plain = self.device == "cpu" and self.overlap_mode == "off"
-            self.burst_chunk_size = 512 if cpu_plain else -1
+        self._resolve_burst_chunk_size()
         check_kernels(self)
         if self.device == "cuda":
             check_gpus_per_node(self)
@@ -379,6 +377,21 @@ class ServerArgs(OverlapArgs):
             self.max_running_requests = running
         if self.max_queued_requests is None:
             self.max_queued_requests = 4 * self.max_running_requests * self.num_running_groups
+
+    def _resolve_burst_chunk_size(self) -> None:
+        """512 on CPU where it is smaller than a prefill batch; never under an overlap mode,
+        which runs mixed batches unsplit. An explicit value must be under a prefill batch."""
+        batch = self.max_prefill_tokens
+        if self.enable_chunked_prefill:
+            batch = min(batch, self.chunked_prefill_size)
+        if self.burst_chunk_size is None:
+            plain_cpu = self.device == "cpu" and self.overlap_mode == "off"
+            self.burst_chunk_size = 512 if plain_cpu and 512 < batch else -1
+        elif self.burst_chunk_size >= batch:
+            raise ValueError(
+                f"--burst-chunk-size: must be under a prefill batch ({batch} tokens: "
+                "--chunked-prefill-size, --max-prefill-tokens), or -1"
+            )
 
     @property
     def num_running_groups(self) -> int:

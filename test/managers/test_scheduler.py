@@ -235,6 +235,9 @@ def test_stream_interval_flag_is_checked(qwen3_moe_path):
         ServerArgs(model_path=qwen3_moe_path, prefill_burst_hold_ms=-1)
     with pytest.raises(ValueError, match="--burst-chunk-size: must be positive or -1"):
         ServerArgs(model_path=qwen3_moe_path, burst_chunk_size=0)
+    with pytest.raises(ValueError, match="--burst-chunk-size: must be under a prefill batch"):
+        ServerArgs(model_path=qwen3_moe_path, chunked_prefill_size=256, burst_chunk_size=256)
+    assert ServerArgs(model_path=qwen3_moe_path, chunked_prefill_size=256).burst_chunk_size == -1
     assert ServerArgs(model_path=qwen3_moe_path, device="cpu").burst_chunk_size == 512
     tbo = ServerArgs(
         model_path=qwen3_moe_path, device="cpu", overlap_mode="tbo", moe_a2a_backend="torch"
