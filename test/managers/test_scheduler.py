@@ -137,6 +137,22 @@ def _step(scheduler: Scheduler, finished: dict[str, dict]) -> None:
                 finished[rid] = reason
 
 
+def _record_batches(scheduler: Scheduler) -> tuple[dict, list]:
+    """From now on, each batch's requests by rid and its (mode, extend lengths)."""
+    reqs, shapes = {}, []
+    get_next_batch = scheduler.get_next_batch
+
+    def spy():
+        batch = get_next_batch()
+        if batch is not None:
+            reqs.update((r.rid, r) for r in batch.reqs)
+            shapes.append((batch.forward_mode.name, batch.extend_lens))
+        return batch
+
+    scheduler.get_next_batch = spy
+    return reqs, shapes
+
+
 def _run_until_idle(scheduler: Scheduler, finished: dict | None = None) -> dict[str, dict]:
     finished = {} if finished is None else finished
     for _ in range(1000):
@@ -260,17 +276,7 @@ def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
             prefill_burst_hold_ms=0,
         )
         scheduler = Scheduler(args)
-        reqs, shapes = {}, []
-        get_next_batch = scheduler.get_next_batch
-
-        def spy(get_next_batch=get_next_batch, reqs=reqs, shapes=shapes):
-            batch = get_next_batch()
-            if batch is not None:
-                reqs.update((r.rid, r) for r in batch.reqs)
-                shapes.append((batch.forward_mode.name, batch.extend_lens))
-            return batch
-
-        scheduler.get_next_batch = spy
+        reqs, shapes = _record_batches(scheduler)
         scheduler.add_request(_tokenized("early", [5, 6, 7], max_new_tokens=12))
         _step(scheduler, {})  # early's prefill; it decodes from now on
         for i in range(3):  # 18 prompt tokens: more than one batch of 16
@@ -303,21 +309,13 @@ def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
     monkeypatch.setattr(time, "monotonic", clock)
     args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=1024, chunked_prefill_size=64)
     scheduler = Scheduler(args)
-    steps: list[tuple[str, list[int]]] = []
-    get_next_batch = scheduler.get_next_batch
-
-    def spy():
-        batch = get_next_batch()
-        if batch is not None:
-            steps.append((batch.forward_mode.name, list(batch.extend_lens or [])))
-        return batch
+    _, steps = _record_batches(scheduler)
 
     def arrive(rid: str, n: int, dt: float = 0.0) -> None:
         clock.now += dt
         scheduler.add_request(_tokenized(rid, list(range(5, 5 + n)), max_new_tokens=40))
         _step(scheduler, finished)
 
-    scheduler.get_next_batch = spy
     finished: dict[str, dict] = {}
     arrive("first", 3)  # nothing decodes: prefilled at once
     arrive("a", 4, 0.001)
@@ -355,17 +353,7 @@ def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
             prefill_burst_hold_ms=0,  # late's prefill starts in the step after it arrives
         )
         scheduler = Scheduler(args)
-        reqs, shapes = {}, []
-        get_next_batch = scheduler.get_next_batch
-
-        def spy(get_next_batch=get_next_batch, reqs=reqs, shapes=shapes):
-            batch = get_next_batch()
-            if batch is not None:
-                reqs.update((r.rid, r) for r in batch.reqs)
-                shapes.append((batch.forward_mode.name, batch.extend_lens))
-            return batch
-
-        scheduler.get_next_batch = spy
+        reqs, shapes = _record_batches(scheduler)
         early = _tokenized("early", [5, 6, 7], max_new_tokens=12)
         early.return_logprob = True
         scheduler.add_request(early)
