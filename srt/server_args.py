@@ -138,8 +138,8 @@ class ServerArgs(OverlapArgs):
         default=50.0,
         metadata=_arg(
             "memory",
-            "While requests decode and new ones are still arriving (the last look at the "
-            "queue found some), hold their prefill, up to this long after the first of them "
+            "While requests decode and new ones are still arriving (the last one less than "
+            "10 ms ago), hold their prefill, up to this long after the oldest of them "
             "arrived, so that a burst is prefilled at once and the running requests pay one "
             "gap, not one per fragment; never when the waiting prompts fill a prefill batch. "
             "0 prefills whatever has arrived at once.",
@@ -381,9 +381,7 @@ class ServerArgs(OverlapArgs):
     def _resolve_burst_chunk_size(self) -> None:
         """512 on CPU where it is smaller than a prefill batch; never under an overlap mode,
         which runs mixed batches unsplit. An explicit value must be under a prefill batch."""
-        batch = self.max_prefill_tokens
-        if self.enable_chunked_prefill:
-            batch = min(batch, self.chunked_prefill_size)
+        batch = self.prefill_batch_tokens
         if self.burst_chunk_size is None:
             plain_cpu = self.device == "cpu" and self.overlap_mode == "off"
             self.burst_chunk_size = 512 if plain_cpu and 512 < batch else -1
@@ -427,6 +425,13 @@ class ServerArgs(OverlapArgs):
     @property
     def enable_chunked_prefill(self) -> bool:
         return self.chunked_prefill_size != -1
+
+    @property
+    def prefill_batch_tokens(self) -> int:
+        """New tokens one prefill batch may hold."""
+        if self.enable_chunked_prefill:
+            return min(self.max_prefill_tokens, self.chunked_prefill_size)
+        return self.max_prefill_tokens
 
     def check_against_model(self, hf_config: Any) -> None:
         """What needs the model's config: experts, heads and MLP sizes must split over the

@@ -106,7 +106,7 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio()
         args = self.server_args
         self.burst = BurstPolicy(
-            args.prefill_burst_hold_ms / 1e3, self._prefill_budget(), args.burst_chunk_size
+            args.prefill_burst_hold_ms / 1e3, args.prefill_batch_tokens, args.burst_chunk_size
         )
         self.output_processor = SchedulerOutputProcessor(
             self.tree_cache, self.tokenizer, self.server_args.stream_interval
@@ -270,16 +270,9 @@ class Scheduler:
         args, num_running = self.server_args, len(self.running_batch.reqs)
         if self.burst.spreads(self.waiting_queue, self.chunked_req is not None, num_running):
             return num_running, args.burst_chunk_size
-        if args.enable_mixed_chunk and num_running < self._prefill_budget():
+        if args.enable_mixed_chunk and num_running < args.prefill_batch_tokens:
             return num_running, args.chunked_prefill_size
         return 0, args.chunked_prefill_size
-
-    def _prefill_budget(self) -> int:
-        """New tokens one prefill batch may hold."""
-        args = self.server_args
-        if args.enable_chunked_prefill:
-            return min(args.max_prefill_tokens, args.chunked_prefill_size)
-        return args.max_prefill_tokens
 
     def _make_prefill_batch(self, adder: PrefillAdder, mix: bool) -> ScheduleBatch | None:
         can_run = adder.can_run_list
