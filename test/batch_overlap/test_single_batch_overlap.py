@@ -77,7 +77,7 @@ def test_overlap_args_match_the_routing():
     assert combine.token_idx[1].tolist() == [1, 3, 1, 2]
 
 
-HIDDEN, INTER, TOP_K, ROWS = 32, 64, 3, 12
+HIDDEN, INTER, TOP_K, ROWS = 64, 64, 3, 12  # whole panels of every width (8 to 64)
 
 
 def _rank_one_rows(seed: int):

@@ -1,5 +1,10 @@
-"""Run a function on N real rank processes (spawn) that share a gloo world on a free loopback
-port. Shared by the multi-rank tests.
+"""Run a function on N real rank processes that share a gloo world on a free loopback port.
+Shared by the multi-rank tests.
+
+The ranks are forked from a fork server that imported torch and srt once (Python's
+``forkserver`` start method, a fresh interpreter that has run no torch op, so no OpenMP pool is
+forked): a spawned rank spends seconds importing them, and the suite starts hundreds of ranks.
+Each rank takes the caller's environment as it is at the call.
 
 ``run_ranks(worker, n, *args)`` calls ``worker(rank, n, init_method, *args)`` in each process and
 returns the ranks' return values (plain picklable data, in rank order). The worker initialises
@@ -12,6 +17,7 @@ others are terminated at once and the error carries every traceback; nothing han
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -25,9 +31,15 @@ from benchmark.common.process import free_port
 __all__ = ["free_port", "run_ranks"]
 
 HOST = "127.0.0.1"
+# What every rank imports anyway; the fork server imports these once (an ImportError is skipped).
+PRELOAD = ["torch", "torch.distributed", "srt.model_executor.model_runner"]
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(PRELOAD)
 
 
-def _rank_main(worker: Callable[..., Any], rank: int, n: int, init_method: str, args, results):
+def _rank_main(worker: Callable[..., Any], rank: int, n: int, init_method: str, args, results, env):
+    os.environ.clear()
+    os.environ.update(env)
     try:
         value = worker(rank, n, init_method, *args)
         results.put((rank, True, value))
@@ -69,12 +81,12 @@ def _stop(procs: list, graceful: bool) -> None:
 
 
 def run_ranks(worker: Callable[..., Any], n: int, *args: Any, timeout: float = 60.0) -> list[Any]:
-    """``worker`` must be a module-level function (spawn pickles it by name)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    """``worker`` must be a module-level function (it is pickled by name)."""
+    results = _CTX.Queue()
     init_method = f"tcp://{HOST}:{free_port(HOST)}"
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(worker, r, n, init_method, args, results))
+        _CTX.Process(target=_rank_main, args=(worker, r, n, init_method, args, results, env))
         for r in range(n)
     ]
     for p in procs:

@@ -104,6 +104,7 @@ def dp_worker(rank: int, n: int, init_method: str, cases: list[tuple[str, str]])
 
 
 DP_CASES = [("tiny-qwen3-moe", "tbo"), ("tiny-deepseek-v3", "sbo")]
+DP_TOLERANCE = 3e-5
 _dp_results: dict[tuple[str, str], list[dict]] = {}
 
 
@@ -126,7 +127,10 @@ def test_dp_attention_buckets_equal_eager(tiny_models, model, overlap):
         assert out["replays"] == 2, rank  # steps 2 and 3, idle group included
         for step, (g, w) in enumerate(zip(out[True], out[False])):
             assert g.shape == w.shape, (rank, step)
-            assert np.abs(g - w).max(initial=0.0) <= 1e-5, (rank, step)
+            # Triton's attention against the C kernels' (whose sums follow the host's vector
+            # width): a few float32 ulps of logprobs near -10, where one ulp is 1e-6.
+            assert np.abs(g - w).max(initial=0.0) <= DP_TOLERANCE, (rank, step)
+            assert (g.argmax(-1) == w.argmax(-1)).all(), (rank, step)
     # the idle group's replay ran the overlap captured in the bucket's graph
     key = (True, False, "idle") if overlap == "tbo" else (False, True, "idle")
     assert results[1]["counts"][key] >= 1
