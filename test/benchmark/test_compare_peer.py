@@ -22,6 +22,18 @@ def test_server_commands_and_environments():
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
+def test_an_mla_checkpoint_gets_vllms_fp32_mla_backend(tmp_path):
+    def vllm_command(*extra: str) -> list[str]:
+        args = compare_peer.parse_args(["--model-path", str(tmp_path), *extra])
+        return compare_peer.server_command("vllm", args, ("py", "cli"))
+
+    (tmp_path / "config.json").write_text('{"kv_lora_rank": 16}')
+    assert vllm_command()[-2:] == ["--attention-backend", "CPU_MLA"]
+    assert vllm_command("--vllm-args=--attention-backend X")[-2:] == ["--attention-backend", "X"]
+    (tmp_path / "config.json").write_text('{"kv_lora_rank": null}')  # a Qwen3-MoE config has none
+    assert "--attention-backend" not in vllm_command()
+
+
 def test_wrapper_maps_the_version_lookup_in_spawned_processes_too(tmp_path):
     wrapper = tmp_path / "cli.py"
     wrapper.write_text(compare_peer.WRAPPER)
