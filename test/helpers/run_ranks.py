@@ -3,8 +3,9 @@ Shared by the multi-rank tests.
 
 The ranks are forked from a fork server that imported torch and srt once (Python's
 ``forkserver`` start method, a fresh interpreter that has run no torch op, so no OpenMP pool is
-forked): a spawned rank spends seconds importing them, and the suite starts hundreds of ranks.
-Each rank takes the caller's environment as it is at the call.
+forked): a spawned rank spends seconds importing them, and the suite starts many ranks. Each
+rank takes the caller's environment as it is at the call (what a library read when the fork
+server imported it, such as OpenMP's variables, stays the fork server's).
 
 ``run_ranks(worker, n, *args)`` calls ``worker(rank, n, init_method, *args)`` in each process and
 returns the ranks' return values (plain picklable data, in rank order). The worker initialises

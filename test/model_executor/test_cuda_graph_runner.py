@@ -128,7 +128,7 @@ def test_dp_attention_buckets_equal_eager(tiny_models, model, overlap):
         for step, (g, w) in enumerate(zip(out[True], out[False])):
             assert g.shape == w.shape, (rank, step)
             # Triton's attention against the C kernels' (whose sums follow the host's vector
-            # width): a few float32 ulps of logprobs near -10, where one ulp is 1e-6.
+            # width): a few float32 ulps of logprobs near -10, where one ulp is about 1e-6.
             assert np.abs(g - w).max(initial=0.0) <= DP_TOLERANCE, (rank, step)
             assert (g.argmax(-1) == w.argmax(-1)).all(), (rank, step)
     # the idle group's replay ran the overlap captured in the bucket's graph
