@@ -57,9 +57,10 @@ class Req:
         stream: bool = False,
         eos_token_ids: set[int] | None = None,
         device: str | torch.device = "cpu",
+        arrival_time: float | None = None,
     ):
         self.rid = rid
-        self.arrival_time = time.monotonic()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params, self.stream = sampling_params, stream
         self.eos_token_ids = set(eos_token_ids or ())

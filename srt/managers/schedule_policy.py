@@ -10,7 +10,6 @@ rest of a burst of requests, and when a burst's prefill is spread over mixed bat
 
 from __future__ import annotations
 
-import time
 from enum import Enum, auto
 from typing import Any
 
@@ -77,6 +76,8 @@ class BurstPolicy:
     held and the running requests decode on; the burst is then prefilled in one batch. Never
     longer than ``hold_s`` after the oldest waiting request arrived, never when nothing
     decodes, and not when the waiting prompts already fill a prefill batch (``budget`` tokens).
+    The times are the scheduler's iteration clock (``Scheduler.begin_iteration``): on every
+    rank of a group the entry rank's, so that all of them hold alike.
 
     Spread: a burst that needs more than one prefill batch would run its batches back to back
     (prefill first), every running stream stopped for all of them. It is prefilled instead in
@@ -89,13 +90,12 @@ class BurstPolicy:
         self.last_arrival = float("-inf")
         self.num_holds = self.num_spread_batches = 0
 
-    def on_arrival(self) -> None:
-        self.last_arrival = time.monotonic()
+    def on_arrival(self, now: float) -> None:
+        self.last_arrival = now
 
-    def holds(self, waiting: list[Req], decoding: bool) -> bool:
+    def holds(self, waiting: list[Req], decoding: bool, now: float) -> bool:
         if not (self.hold_s and decoding and waiting):
             return False
-        now = time.monotonic()
         if now - self.last_arrival >= BURST_QUIET_S:
             return False
         if now - min(r.arrival_time for r in waiting) >= self.hold_s:

@@ -113,6 +113,7 @@ class Scheduler:
         )
         self.num_retracted_reqs = 0
         self.num_forward_steps = 0
+        self.iteration_time: float | None = None  # begin_iteration's; None: this process's clock
         self.current_step = "start-up"  # what this rank is doing, for the watchdog
         self.enable_dp_attention = self.server_args.enable_dp_attention
         self.dp_rank = self.model_runner.parallel.attn_dp_rank
@@ -124,6 +125,17 @@ class Scheduler:
             0,
             0,
         )  # start, steps, tokens
+
+    # ------------------------------------------------------------------ time
+    def begin_iteration(self, now: float) -> None:
+        """The time this iteration's requests arrive at and its schedule is decided at (the
+        burst hold's clock). Under TP the loop gives every rank of a group the entry rank's
+        clock, received with the iteration's messages: each rank reading its own would let
+        them decide a hold differently near its thresholds and step with different batches."""
+        self.iteration_time = now
+
+    def now(self) -> float:
+        return time.monotonic() if self.iteration_time is None else self.iteration_time
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, recv: TokenizedGenerateReqInput) -> None:
@@ -137,6 +149,7 @@ class Scheduler:
             stream=recv.stream,
             eos_token_ids=self.model_config.eos_token_ids,
             device=self.model_runner.device,
+            arrival_time=self.now(),
         )
         error = check_request_length(req, self.model_config.context_len, self.max_total_num_tokens)
         if error is None:
@@ -146,7 +159,7 @@ class Scheduler:
             self.finished_outside_batch.append(req)
             return
         self.waiting_queue.append(req)
-        self.burst.on_arrival()
+        self.burst.on_arrival(req.arrival_time)
 
     def _attach_grammar(self, req: Req) -> str | None:
         """Compile the request's constraint into its matcher; an error message if that fails."""
@@ -235,7 +248,7 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         decoding = not self.running_batch.is_empty()
-        if self.chunked_req is None and self.burst.holds(self.waiting_queue, decoding):
+        if self.chunked_req is None and self.burst.holds(self.waiting_queue, decoding, self.now()):
             return None  # the running requests decode while the rest of the burst arrives
         running = self.running_batch.reqs
         max_new_reqs = min(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -85,9 +86,10 @@ class SchedulerLoop:
         sync = sched.model_runner.last_dp_sync  # DP attention: no work anywhere last step?
         return sched.is_idle() and (not self.dp_attention or sync is None or sync.all_idle)
 
-    def recv_messages(self) -> list[object]:
-        """This iteration's messages, the same on every rank of the group."""
-        messages = None
+    def recv_messages(self) -> tuple[float, list[object]]:
+        """This iteration's clock and messages, the entry rank's on every rank of the group
+        (see ``Scheduler.begin_iteration``)."""
+        received = None
         if self.is_entry:
             if self.may_block():
                 first = self.recv_from_tokenizer.recv(IDLE_POLL_MS)
@@ -96,7 +98,8 @@ class SchedulerLoop:
             else:
                 messages = self.recv_from_tokenizer.recv_all()
             messages = [m for m in messages if not isinstance(m, WakeUp)]
-        return broadcast_object(self.group, messages)
+            received = (time.monotonic(), messages)
+        return broadcast_object(self.group, received)
 
     def handle(self, msg: object) -> None:
         sched = self.scheduler
@@ -126,7 +129,9 @@ class SchedulerLoop:
             sched.current_step = f"the message broadcast of iteration {self.num_iterations}"
             if self.watchdog is not None:
                 self.watchdog.begin()
-            for msg in self.recv_messages():
+            now, messages = self.recv_messages()
+            sched.begin_iteration(now)
+            for msg in messages:
                 self.handle(msg)
             if not self.dp_attention and sched.is_idle():
                 continue

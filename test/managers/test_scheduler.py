@@ -347,6 +347,31 @@ def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
     assert len(finished) == 12
 
 
+def test_ranks_hold_alike_on_the_entry_rank_clock(qwen3_moe_path, monkeypatch):
+    """Under TP every rank of a group must run the same batches. The burst hold reads the
+    iteration clock that the loop hands every rank (the entry rank's), not the rank's own:
+    here the second rank reaches its step 15 ms after it took the iteration's messages (a
+    rank descheduled on a busy host), past BURST_QUIET_S, and still holds as the first does."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=1024, chunked_prefill_size=64)
+    ranks = [(Scheduler(args), 0.0), (Scheduler(args), 0.015)]
+    recorded = [_record_batches(scheduler)[1] for scheduler, _ in ranks]
+    iterations = [(100.0, [("first", 3)]), (100.001, [("a", 4)]), (100.02, [])]
+    for now, arrivals in iterations:
+        for scheduler, lag in ranks:
+            clock.now = now
+            scheduler.begin_iteration(now)
+            for rid, n in arrivals:
+                scheduler.add_request(_tokenized(rid, list(range(5, 5 + n)), max_new_tokens=8))
+            clock.now = now + lag
+            _step(scheduler, {})
+    assert recorded[0] == recorded[1] == [("EXTEND", [3]), ("DECODE", []), ("EXTEND", [4])]
+    for scheduler, _ in ranks:
+        _run_until_idle(scheduler)
+        scheduler.check_memory()
+
+
 def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
     """MIXED steps: the prefill chunk leaves room for the running request's token, and every
     logprob equals the unmixed run's (prompt logprobs only for the prefilled request)."""
