@@ -16,6 +16,7 @@ from srt.managers.data_parallel_controller import run_data_parallel_controller_p
 from srt.managers.detokenizer_process import run_detokenizer_process
 from srt.managers.scheduler_process import run_scheduler_process
 from srt.managers.tokenizer_manager import TokenizerManager
+from srt.model_executor.cpu_threads import limit_openmp_spin
 from srt.model_loader.config import ModelConfig
 from srt.server_args import ServerArgs
 from srt.utils.ipc import PortArgs
@@ -55,6 +56,8 @@ def _remove_ipc_dir(port_args: PortArgs) -> None:
 def _start_schedulers(server_args: ServerArgs, port_args: PortArgs) -> list[Child]:
     if server_args.tp_size > 1:  # fail before any rank starts
         server_args.check_against_model(ModelConfig.from_server_args(server_args).hf_config)
+    if server_args.device == "cpu":
+        limit_openmp_spin()  # before the ranks start: libgomp reads it once, when loaded
     per_node = server_args.num_ranks_per_node
     first = server_args.node_rank * per_node
     return [

@@ -15,6 +15,7 @@ from helpers.server_process import ServerProcess, assert_pool_full, wait_idle
 from transformers import AutoTokenizer
 
 import srt
+from srt.model_executor.cpu_threads import OPENMP_SPIN_COUNT
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
@@ -260,3 +261,22 @@ def test_front_end_never_preempts_a_rank_on_wakeup(server: ServerProcess) -> Non
     assert policies.pop(main) == {os.SCHED_BATCH}
     # the rest: the scheduler rank and the detokenizer, one policy for all their threads each
     assert sorted(map(tuple, policies.values())) == [(os.SCHED_OTHER,), (os.SCHED_BATCH,)]
+
+
+def test_rank_starts_with_a_short_openmp_spin(server: ServerProcess) -> None:
+    """The CPU rank's libgomp spins briefly before it sleeps (GOMP_SPINCOUNT from
+    ``cpu_threads.limit_openmp_spin``), unless the server's environment chose a spin."""
+    chosen = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
+    main = server.proc.pid
+    environs = []
+    for pid in os.popen(f"pgrep -P {main}").read().split():
+        if "resource_tracker" in open(f"/proc/{pid}/cmdline").read():
+            continue
+        raw = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+        environs.append(dict(v.split("=", 1) for v in raw.split("\0") if "=" in v))
+    assert len(environs) == 2  # the scheduler rank and the detokenizer
+    for environ in environs:
+        if chosen:
+            assert {k: environ.get(k) for k in chosen} == chosen
+        else:
+            assert environ.get("GOMP_SPINCOUNT") == OPENMP_SPIN_COUNT

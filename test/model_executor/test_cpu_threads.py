@@ -9,7 +9,13 @@ import os
 import pytest
 import torch
 
-from srt.model_executor.cpu_threads import SMALL_MODEL_BYTES, CpuThreads, DecodeWeights
+from srt.model_executor.cpu_threads import (
+    OPENMP_SPIN_COUNT,
+    SMALL_MODEL_BYTES,
+    CpuThreads,
+    DecodeWeights,
+    limit_openmp_spin,
+)
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -105,3 +111,11 @@ def test_decode_weights_of_a_model_split_experts_from_the_rest(deepseek_v3_path)
 def test_bad_decode_threads_are_refused(kwargs):
     with pytest.raises(ValueError, match="--cpu-decode-threads"):
         _args(**kwargs)
+
+
+def test_openmp_spin_is_limited_unless_the_environment_chose():
+    environ = {"PATH": "/bin"}
+    assert limit_openmp_spin(environ) and environ["GOMP_SPINCOUNT"] == OPENMP_SPIN_COUNT
+    for chosen in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "active"}):
+        environ = dict(chosen)
+        assert not limit_openmp_spin(environ) and environ == chosen
