@@ -1,6 +1,7 @@
 """The per-step CPU thread choice: a decode step that reads few weights runs on one core fewer
 than prefill (left to the front end), one that reads many uses every core; a mixture of
-experts counts only the experts its sequences can reach; --cpu-decode-threads overrides it."""
+experts counts only the experts its sequences can reach; --cpu-decode-threads overrides it.
+And the ranks' OpenMP spin, short unless the environment chose one."""
 
 from __future__ import annotations
 
