@@ -243,6 +243,13 @@ def test_metrics_grow(http: httpx.Client) -> None:
     assert after["srt:num_running_reqs"] == after["srt:num_queue_reqs"] == 0
 
 
+def _server_children(server: ServerProcess) -> list[int]:
+    """The server's child processes but multiprocessing's resource tracker: its scheduler
+    rank and its detokenizer."""
+    pids = [int(p) for p in os.popen(f"pgrep -P {server.proc.pid}").read().split()]
+    return [p for p in pids if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()]
+
+
 def test_front_end_never_preempts_a_rank_on_wakeup(server: ServerProcess) -> None:
     """The tiny model decodes on one core fewer than there are: the HTTP process and the
     detokenizer (every thread) run under SCHED_BATCH, the scheduler rank under the normal
@@ -250,12 +257,8 @@ def test_front_end_never_preempts_a_rank_on_wakeup(server: ServerProcess) -> Non
     if not hasattr(os, "SCHED_BATCH") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("no SCHED_BATCH here, or one core: no core for the front end")
     main = server.proc.pid
-    children = [int(p) for p in os.popen(f"pgrep -P {main}").read().split()]
     policies = {}
-    for pid in [main, *children]:
-        cmdline = open(f"/proc/{pid}/cmdline").read()
-        if "resource_tracker" in cmdline:
-            continue
+    for pid in [main, *_server_children(server)]:
         tids = os.listdir(f"/proc/{pid}/task")
         policies[pid] = {os.sched_getscheduler(int(t)) for t in tids}
     assert policies.pop(main) == {os.SCHED_BATCH}
@@ -267,11 +270,8 @@ def test_rank_starts_with_a_short_openmp_spin(server: ServerProcess) -> None:
     """The CPU rank's libgomp spins briefly before it sleeps (GOMP_SPINCOUNT from
     ``cpu_threads.limit_openmp_spin``), unless the server's environment chose a spin."""
     chosen = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
-    main = server.proc.pid
     environs = []
-    for pid in os.popen(f"pgrep -P {main}").read().split():
-        if "resource_tracker" in open(f"/proc/{pid}/cmdline").read():
-            continue
+    for pid in _server_children(server):
         raw = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
         environs.append(dict(v.split("=", 1) for v in raw.split("\0") if "=" in v))
     assert len(environs) == 2  # the scheduler rank and the detokenizer
