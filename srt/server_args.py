@@ -131,7 +131,17 @@ class ServerArgs(OverlapArgs):
             "memory",
             "Run the running requests' decode in the same batch as a prefill (one mixed "
             "batch) instead of in a step of its own after it; the prefill's budget "
-            "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens.",
+            "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens. "
+            "Default: on on CPU without an overlap mode (docs/benchmarks.md, round 17); "
+            "--disable-mixed-chunk turns it off.",
+        ),
+    )
+    disable_mixed_chunk: bool = field(
+        default=False,
+        metadata=_arg(
+            "memory",
+            "Run every prefill in a batch of its own, the running requests decoding in the "
+            "step after it (where --enable-mixed-chunk would be the default).",
         ),
     )
     prefill_burst_hold_ms: float = field(
@@ -390,6 +400,15 @@ class ServerArgs(OverlapArgs):
                 f"--burst-chunk-size: must be under a prefill batch ({batch} tokens: "
                 "--chunked-prefill-size, --max-prefill-tokens), or -1"
             )
+
+    @property
+    def mixes_decode_into_prefill(self) -> bool:
+        """Whether a prefill carries the running requests' decode (a MIXED batch): as
+        --enable-mixed-chunk / --disable-mixed-chunk say, else on CPU without an overlap mode
+        (docs/benchmarks.md, round 17)."""
+        if self.enable_mixed_chunk or self.disable_mixed_chunk:
+            return self.enable_mixed_chunk
+        return self.device == "cpu" and self.overlap_mode == "off"
 
     @property
     def num_running_groups(self) -> int:

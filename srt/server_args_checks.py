@@ -79,6 +79,11 @@ def check_ranges(args: ServerArgs) -> None:
         "must be positive or -1",
     )
     require(
+        not (args.enable_mixed_chunk and args.disable_mixed_chunk),
+        "disable_mixed_chunk",
+        "cannot be given with --enable-mixed-chunk",
+    )
+    require(
         args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0,
         "chunked_prefill_size",
         "must be positive or -1",

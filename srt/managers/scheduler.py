@@ -278,12 +278,13 @@ class Scheduler:
     def _prefill_shape(self) -> tuple[int, int]:
         """The next prefill's decode tokens (the running requests that ride in its batch, one
         token each) and its chunk budget: a burst's spread prefill (BurstPolicy) carries them
-        in chunks of --burst-chunk-size; under --enable-mixed-chunk every prefill carries them
+        in chunks of --burst-chunk-size; with mixed batches on (--enable-mixed-chunk, the
+        default on CPU: ``ServerArgs.mixes_decode_into_prefill``) every prefill carries them
         (not when they would leave it no room)."""
         args, num_running = self.server_args, len(self.running_batch.reqs)
         if self.burst.spreads(self.waiting_queue, self.chunked_req is not None, num_running):
             return num_running, args.burst_chunk_size
-        if args.enable_mixed_chunk and num_running < args.prefill_batch_tokens:
+        if args.mixes_decode_into_prefill and num_running < args.prefill_batch_tokens:
             return num_running, args.chunked_prefill_size
         return 0, args.chunked_prefill_size
 

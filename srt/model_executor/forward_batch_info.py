@@ -101,6 +101,10 @@ class ForwardBatch:
     # Dual-batch overlap this step: the children run in threads (``srt.batch_overlap.ubatching``)
     # with the plain forward, not interleaved by the operation lists; set on them too.
     dbo: bool = False
+    # A MIXED batch of an MLA model whose backend expands extend keys: its prompt sequences as
+    # an EXTEND batch and the one-token sequences after them as a DECODE one
+    # (``split_off_decode_tail``), each with its attention metadata.
+    mixed_parts: tuple[ForwardBatch, ForwardBatch] | None = None
 
     @classmethod
     def idle(
@@ -140,3 +144,44 @@ class ForwardBatch:
     @property
     def device(self) -> torch.device:
         return self.input_ids.device
+
+
+def split_off_decode_tail(batch: ForwardBatch) -> bool:
+    """Set ``batch.mixed_parts`` for a MIXED batch: an EXTEND part (its sequences up to the
+    trailing run of one-token sequences with a prefix) and a DECODE part (that run: the running
+    requests decoding in it). A one-token extend after a prefix attends exactly as a decode
+    step does, so MLA can attend it on the cached latent rather than expanding its whole
+    history into per-head keys. False (nothing set) when either part would be empty."""
+    prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+    first = batch.batch_size
+    while first > 0 and new[first - 1] == 1 and prefix[first - 1] > 0:
+        first -= 1
+    if first in (0, batch.batch_size):
+        return False
+    token = sum(new[:first])
+    extend = _part(batch, ForwardMode.EXTEND, (0, token), (0, first))
+    extend.extend_prefix_lens_cpu, extend.extend_seq_lens_cpu = prefix[:first], new[:first]
+    decode = _part(batch, ForwardMode.DECODE, (token, batch.num_tokens), (first, batch.batch_size))
+    batch.mixed_parts = (extend, decode)
+    return True
+
+
+def _part(
+    batch: ForwardBatch, mode: ForwardMode, tokens: tuple[int, int], seqs: tuple[int, int]
+) -> ForwardBatch:
+    """The sequences ``seqs`` of ``batch`` (token rows ``tokens``) as a batch of their own, for
+    attention: views of the parent's tensors."""
+    (t0, t1), (s0, s1) = tokens, seqs
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=s1 - s0,
+        input_ids=batch.input_ids[t0:t1],
+        positions=batch.positions[t0:t1],
+        req_pool_indices=batch.req_pool_indices[s0:s1],
+        seq_lens=batch.seq_lens[s0:s1],
+        seq_lens_cpu=batch.seq_lens_cpu[s0:s1],
+        out_cache_loc=batch.out_cache_loc[t0:t1],
+        req_to_token_pool=batch.req_to_token_pool,
+        token_to_kv_pool=batch.token_to_kv_pool,
+        attn_backend=batch.attn_backend,
+    )

@@ -40,7 +40,11 @@ from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPoo
 from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
-from srt.model_executor.forward_batch_info import ForwardBatch
+from srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    split_off_decode_tail,
+)
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
@@ -321,7 +325,20 @@ class ModelRunner:
                 forward_batch.global_forward_mode or forward_batch.forward_mode,
                 forward_batch.batch_size,
             )
-        self.attn_backend.init_forward_metadata(forward_batch)
+        if self._splits_mixed(forward_batch) and split_off_decode_tail(forward_batch):
+            for part in forward_batch.mixed_parts:
+                self.attn_backend.init_forward_metadata(part)
+        else:
+            self.attn_backend.init_forward_metadata(forward_batch)
+
+    def _splits_mixed(self, forward_batch: ForwardBatch) -> bool:
+        """MLA expanding its extend keys (``DeepseekV2MLA``) attends a MIXED batch's decoding
+        requests on the cached latent, as a decode step, and only its prompts expanded."""
+        return (
+            forward_batch.forward_mode == ForwardMode.MIXED
+            and self.model_config.is_mla
+            and not self.attn_backend.absorbed_mla_extend
+        )
 
     def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every

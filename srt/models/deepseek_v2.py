@@ -33,7 +33,9 @@ class DeepseekV2MLA(nn.Module):
     ``[k_nope, k_pe]`` and values, and attention is plain MHA over ``qk_nope + qk_rope`` (as
     HF computes it, and SGLang and vLLM in prefill): a fraction of the absorbed form's work
     when queries outnumber the heads' shared keys. An attention backend that reads the latent
-    in place (Triton's, ``absorbed_mla_extend``) runs extend absorbed too, as decode.
+    in place (Triton's, ``absorbed_mla_extend``) runs extend absorbed too, as decode. In a
+    MIXED batch otherwise, the decoding requests' one-token rows attend absorbed, as in a
+    decode step, and only the prompts expanded (``ForwardBatch.mixed_parts``).
 
     Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel by
     head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank
@@ -118,24 +120,46 @@ class DeepseekV2MLA(nn.Module):
         kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
         k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
-        if self._expands(state.batch):
+        batch = state.batch
+        if batch.mixed_parts is not None:  # prompts expanded, decoding requests absorbed
+            cut = batch.mixed_parts[0].num_tokens
+            expanded = torch.cat((q_nope[:cut], q_pe[:cut]), dim=-1)
+            q = (expanded, self._absorbed_query(q_nope[cut:], q_pe[cut:]))
+        elif self._expands(batch):
             q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
         else:
-            w_uk, _ = self._kv_b()
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-            q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
+            q = self._absorbed_query(q_nope, q_pe)
         state.put(attn_intermediate=(q, k, kv_a))
+
+    def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope], [T, H, rope] → [T, H, L + rope]: ``W_UK`` absorbed into the query."""
+        w_uk, _ = self._kv_b()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        return torch.cat((q_latent, q_pe), dim=-1)
 
     def op_core_attn(self, state: LayerState) -> None:
         q, k, v = state.pop("attn_intermediate")
-        if self._expands(state.batch):
-            state.put(attn_output=self.o_proj(self.attn_mha(q, k, v, state.batch)))
-            return
-        latent = self.attn(q, k, v, state.batch).view(-1, self.num_heads, self.kv_lora_rank)
+        batch = state.batch
+        if batch.mixed_parts is not None:
+            (extend, decode), cut = batch.mixed_parts, len(q[0])
+            out = torch.cat(
+                (
+                    self.attn_mha(q[0], k[:cut], v[:cut], extend),
+                    self._absorbed_attn(q[1], k[cut:], v[cut:], decode),
+                )
+            )
+        elif self._expands(batch):
+            out = self.attn_mha(q, k, v, batch)
+        else:
+            out = self._absorbed_attn(q, k, v, batch)
+        state.put(attn_output=self.o_proj(out))
+
+    def _absorbed_attn(self, q, k, v, batch) -> torch.Tensor:
+        """MQA over the cached latent, lifted back by ``W_UV``: [T, H · v]."""
+        latent = self.attn(q, k, v, batch).view(-1, self.num_heads, self.kv_lora_rank)
         _, w_uv = self._kv_b()
         out = torch.bmm(latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        out = out.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim)
-        state.put(attn_output=self.o_proj(out))
+        return out.transpose(0, 1).reshape(-1, self.num_heads * self.v_head_dim)
 
 
 # What a config that omits ``topk_method`` means, per model type: transformers' DeepseekV3

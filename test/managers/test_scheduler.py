@@ -99,10 +99,13 @@ def test_mixed_chunk_matches_alone(assert_kv_pool_full, reference):
         assert_kv_pool_full(eng)
 
 
+# Mixed batches are the CPU default (ServerArgs.mixes_decode_into_prefill): the cases that
+# must retract turn them off.
+UNMIXED = {"disable_mixed_chunk": True}
 RETRACTION_CASES = {
-    "unchunked": {"chunked_prefill_size": -1},
-    "chunked": {"chunked_prefill_size": 8},
-    "no-radix": {"chunked_prefill_size": 8, "disable_radix_cache": True},
+    "unchunked": {"chunked_prefill_size": -1, **UNMIXED},
+    "chunked": {"chunked_prefill_size": 8, **UNMIXED},
+    "no-radix": {"chunked_prefill_size": 8, "disable_radix_cache": True, **UNMIXED},
     "mixed": {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
 }
 
@@ -269,6 +272,20 @@ def test_stream_interval_flag_is_checked(qwen3_moe_path):
     assert tbo.burst_chunk_size == -1  # mixed batches run unsplit: no default spreading
 
 
+def test_mixed_batches_default(qwen3_moe_path):
+    """Mixed batches are the default on CPU without an overlap mode; the explicit flags win,
+    and both at once is a start-up error naming the flag."""
+    assert ServerArgs(model_path=qwen3_moe_path, device="cpu").mixes_decode_into_prefill
+    off = ServerArgs(model_path=qwen3_moe_path, device="cpu", disable_mixed_chunk=True)
+    assert not off.mixes_decode_into_prefill
+    tbo = dict(device="cpu", overlap_mode="tbo", moe_a2a_backend="torch")
+    assert not ServerArgs(model_path=qwen3_moe_path, **tbo).mixes_decode_into_prefill
+    forced = ServerArgs(model_path=qwen3_moe_path, enable_mixed_chunk=True, **tbo)
+    assert forced.mixes_decode_into_prefill
+    with pytest.raises(ValueError, match="--disable-mixed-chunk: cannot be given with"):
+        ServerArgs(model_path=qwen3_moe_path, enable_mixed_chunk=True, disable_mixed_chunk=True)
+
+
 def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
     """While a request decodes, waiting prompts that need more than one prefill batch go in
     MIXED batches of --burst-chunk-size, the running requests decoding in each, where they
@@ -281,6 +298,7 @@ def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
             chunked_prefill_size=16,
             burst_chunk_size=spread,
             prefill_burst_hold_ms=0,
+            disable_mixed_chunk=True,  # unspread: each prefill in a batch of its own
         )
         scheduler = Scheduler(args)
         reqs, shapes = _record_batches(scheduler)
@@ -314,7 +332,13 @@ def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
     prompts fill a prefill batch, nor when nothing decodes."""
     clock = FakeClock()
     monkeypatch.setattr(time, "monotonic", clock)
-    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=1024, chunked_prefill_size=64)
+    # Unmixed, so each step's shape shows the hold alone.
+    args = ServerArgs(
+        model_path=qwen3_moe_path,
+        max_total_tokens=1024,
+        chunked_prefill_size=64,
+        disable_mixed_chunk=True,
+    )
     scheduler = Scheduler(args)
     _, steps = _record_batches(scheduler)
 
@@ -354,7 +378,13 @@ def test_ranks_hold_alike_on_the_entry_rank_clock(qwen3_moe_path, monkeypatch):
     rank descheduled on a busy host), past BURST_QUIET_S, and still holds as the first does."""
     clock = FakeClock()
     monkeypatch.setattr(time, "monotonic", clock)
-    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=1024, chunked_prefill_size=64)
+    # Unmixed, so each step's shape shows the hold alone.
+    args = ServerArgs(
+        model_path=qwen3_moe_path,
+        max_total_tokens=1024,
+        chunked_prefill_size=64,
+        disable_mixed_chunk=True,
+    )
     ranks = [(Scheduler(args), 0.0), (Scheduler(args), 0.015)]
     recorded = [_record_batches(scheduler)[1] for scheduler, _ in ranks]
     iterations = [(100.0, [("first", 3)]), (100.001, [("a", 4)]), (100.02, [])]
@@ -372,16 +402,19 @@ def test_ranks_hold_alike_on_the_entry_rank_clock(qwen3_moe_path, monkeypatch):
         scheduler.check_memory()
 
 
-def test_mixed_batch_budget_and_logprobs(qwen3_moe_path):
+@pytest.mark.parametrize("model", ["qwen3_moe_path", "deepseek_v3_path"])
+def test_mixed_batch_budget_and_logprobs(model, request):
     """MIXED steps: the prefill chunk leaves room for the running request's token, and every
-    logprob equals the unmixed run's (prompt logprobs only for the prefilled request)."""
+    logprob equals the unmixed run's (prompt logprobs only for the prefilled request). MLA
+    attends the running request's row on the cached latent, as its decode steps do."""
     runs = {}
     for mixed in (False, True):
         args = ServerArgs(
-            model_path=qwen3_moe_path,
+            model_path=request.getfixturevalue(model),
             max_total_tokens=512,
             chunked_prefill_size=12,
             enable_mixed_chunk=mixed,
+            disable_mixed_chunk=not mixed,
             prefill_burst_hold_ms=0,  # late's prefill starts in the step after it arrives
         )
         scheduler = Scheduler(args)

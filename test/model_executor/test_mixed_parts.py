@@ -1,0 +1,51 @@
+"""``split_off_decode_tail``: a MIXED batch's prompts and its decoding requests as two batches
+(the end-to-end check, MLA's logprobs in MIXED steps, is in test/managers/test_scheduler.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, split_off_decode_tail
+
+
+def mixed_batch(prefix: list[int], new: list[int]) -> ForwardBatch:
+    n = sum(new)
+    seq_lens = [p + k for p, k in zip(prefix, new)]
+    return ForwardBatch(
+        forward_mode=ForwardMode.MIXED,
+        batch_size=len(new),
+        input_ids=torch.arange(100, 100 + n),
+        positions=torch.tensor([p + i for p, k in zip(prefix, new) for i in range(k)]),
+        req_pool_indices=torch.arange(len(new)) + 10,
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=seq_lens,
+        out_cache_loc=torch.arange(1000, 1000 + n),
+        req_to_token_pool=None,
+        token_to_kv_pool=None,
+        extend_prefix_lens_cpu=list(prefix),
+        extend_seq_lens_cpu=list(new),
+    )
+
+
+def test_the_trailing_one_token_rows_become_a_decode_batch():
+    # A prompt's one-token chunk after its prefix (the second row) attends as a decoding
+    # request does: it joins the decode part.
+    batch = mixed_batch([0, 4, 9, 4], [6, 1, 1, 1])
+    assert split_off_decode_tail(batch)
+    extend, decode = batch.mixed_parts
+    assert extend.forward_mode == ForwardMode.EXTEND and decode.forward_mode == ForwardMode.DECODE
+    assert extend.batch_size == 1 and extend.num_tokens == 6
+    assert extend.extend_prefix_lens_cpu == [0] and extend.extend_seq_lens_cpu == [6]
+    assert decode.batch_size == 3 and decode.seq_lens_cpu == [5, 10, 5]
+    assert decode.input_ids.tolist() == [106, 107, 108]
+    assert decode.out_cache_loc.tolist() == [1006, 1007, 1008]
+    assert decode.positions.tolist() == [4, 9, 4]
+    assert decode.req_pool_indices.tolist() == [11, 12, 13]
+    assert decode.seq_lens.tolist() == [5, 10, 5]
+
+
+def test_no_split_when_a_part_would_be_empty():
+    for prefix, new in (([3, 0], [4, 1]), ([5, 6], [1, 1]), ([0, 2], [3, 2])):
+        batch = mixed_batch(prefix, new)
+        assert not split_off_decode_tail(batch)
+        assert batch.mixed_parts is None
