@@ -101,10 +101,10 @@ class ForwardBatch:
     # Dual-batch overlap this step: the children run in threads (``srt.batch_overlap.ubatching``)
     # with the plain forward, not interleaved by the operation lists; set on them too.
     dbo: bool = False
-    # A MIXED batch of an MLA model whose backend expands extend keys: its prompt sequences as
-    # an EXTEND batch and the one-token sequences after them as a DECODE one
-    # (``split_off_decode_tail``), each with its attention metadata.
-    mixed_parts: tuple[ForwardBatch, ForwardBatch] | None = None
+    # An extend batch of an MLA model whose backend expands extend keys: its prompt sequences
+    # as an EXTEND batch (None when there are none) and the one-token sequences after them as
+    # a DECODE one (``split_off_decode_tail``), each with its attention metadata.
+    attn_parts: tuple[ForwardBatch | None, ForwardBatch] | None = None
 
     @classmethod
     def idle(
@@ -147,22 +147,26 @@ class ForwardBatch:
 
 
 def split_off_decode_tail(batch: ForwardBatch) -> bool:
-    """Set ``batch.mixed_parts`` for a MIXED batch: an EXTEND part (its sequences up to the
-    trailing run of one-token sequences with a prefix) and a DECODE part (that run: the running
-    requests decoding in it). A one-token extend after a prefix attends exactly as a decode
-    step does, so MLA can attend it on the cached latent rather than expanding its whole
-    history into per-head keys. False (nothing set) when either part would be empty."""
+    """Set ``batch.attn_parts`` for an extend batch: an EXTEND part (its sequences up to the
+    trailing run of one-token sequences after a prefix; None if that run is all of them) and
+    a DECODE part (that run: in a MIXED batch the running requests decoding in it; else
+    prompts that the radix cache holds but for one token). A one-token extend after a prefix
+    attends exactly as a decode step does, so MLA can attend it on the cached latent rather
+    than expanding its whole history into per-head keys. False (nothing set) when there is no
+    such run."""
     prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
     first = batch.batch_size
     while first > 0 and new[first - 1] == 1 and prefix[first - 1] > 0:
         first -= 1
-    if first in (0, batch.batch_size):
+    if first == batch.batch_size:
         return False
     token = sum(new[:first])
-    extend = _part(batch, ForwardMode.EXTEND, (0, token), (0, first))
-    extend.extend_prefix_lens_cpu, extend.extend_seq_lens_cpu = prefix[:first], new[:first]
+    extend = None
+    if first:
+        extend = _part(batch, ForwardMode.EXTEND, (0, token), (0, first))
+        extend.extend_prefix_lens_cpu, extend.extend_seq_lens_cpu = prefix[:first], new[:first]
     decode = _part(batch, ForwardMode.DECODE, (token, batch.num_tokens), (first, batch.batch_size))
-    batch.mixed_parts = (extend, decode)
+    batch.attn_parts = (extend, decode)
     return True
 
 

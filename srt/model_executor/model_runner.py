@@ -325,19 +325,23 @@ class ModelRunner:
                 forward_batch.global_forward_mode or forward_batch.forward_mode,
                 forward_batch.batch_size,
             )
-        if self._splits_mixed(forward_batch) and split_off_decode_tail(forward_batch):
-            for part in forward_batch.mixed_parts:
-                self.attn_backend.init_forward_metadata(part)
+        if self._splits_decode_tail(forward_batch) and split_off_decode_tail(forward_batch):
+            for part in forward_batch.attn_parts:
+                if part is not None:
+                    self.attn_backend.init_forward_metadata(part)
         else:
             self.attn_backend.init_forward_metadata(forward_batch)
 
-    def _splits_mixed(self, forward_batch: ForwardBatch) -> bool:
-        """MLA expanding its extend keys (``DeepseekV2MLA``) attends a MIXED batch's decoding
-        requests on the cached latent, as a decode step, and only its prompts expanded."""
+    def _splits_decode_tail(self, forward_batch: ForwardBatch) -> bool:
+        """MLA expanding its extend keys (``DeepseekV2MLA``) attends an extend batch's
+        one-token sequences (a MIXED batch's decoding requests) on the cached latent, as a
+        decode step, and only its prompts expanded; not in a step split into micro-batches
+        (their own metadata comes from the whole batch's backend call)."""
         return (
-            forward_batch.forward_mode == ForwardMode.MIXED
+            forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
             and self.model_config.is_mla
             and not self.attn_backend.absorbed_mla_extend
+            and not forward_batch.tbo_children
         )
 
     def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:

@@ -33,9 +33,9 @@ class DeepseekV2MLA(nn.Module):
     ``[k_nope, k_pe]`` and values, and attention is plain MHA over ``qk_nope + qk_rope`` (as
     HF computes it, and SGLang and vLLM in prefill): a fraction of the absorbed form's work
     when queries outnumber the heads' shared keys. An attention backend that reads the latent
-    in place (Triton's, ``absorbed_mla_extend``) runs extend absorbed too, as decode. In a
-    MIXED batch otherwise, the decoding requests' one-token rows attend absorbed, as in a
-    decode step, and only the prompts expanded (``ForwardBatch.mixed_parts``).
+    in place (Triton's, ``absorbed_mla_extend``) runs extend absorbed too, as decode. Otherwise
+    an extend batch's one-token rows after a prefix (a MIXED batch's decoding requests) attend
+    absorbed, as in a decode step, and only the prompts expanded (``ForwardBatch.attn_parts``).
 
     Tensor parallelism splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel by
     head, o_proj row-parallel; q_a_proj and kv_a_proj_with_mqa are replicated, so every rank
@@ -121,15 +121,21 @@ class DeepseekV2MLA(nn.Module):
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
         k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
         batch = state.batch
-        if batch.mixed_parts is not None:  # prompts expanded, decoding requests absorbed
-            cut = batch.mixed_parts[0].num_tokens
-            expanded = torch.cat((q_nope[:cut], q_pe[:cut]), dim=-1)
+        if batch.attn_parts is not None:  # prompts expanded, one-token rows absorbed
+            cut = self._cut(batch)
+            expanded = torch.cat((q_nope[:cut], q_pe[:cut]), dim=-1) if cut else None
             q = (expanded, self._absorbed_query(q_nope[cut:], q_pe[cut:]))
         elif self._expands(batch):
             q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
         else:
             q = self._absorbed_query(q_nope, q_pe)
         state.put(attn_intermediate=(q, k, kv_a))
+
+    @staticmethod
+    def _cut(batch) -> int:
+        """The first token of ``batch.attn_parts``' DECODE part."""
+        extend = batch.attn_parts[0]
+        return 0 if extend is None else extend.num_tokens
 
     def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """[T, H, nope], [T, H, rope] → [T, H, L + rope]: ``W_UK`` absorbed into the query."""
@@ -140,14 +146,11 @@ class DeepseekV2MLA(nn.Module):
     def op_core_attn(self, state: LayerState) -> None:
         q, k, v = state.pop("attn_intermediate")
         batch = state.batch
-        if batch.mixed_parts is not None:
-            (extend, decode), cut = batch.mixed_parts, len(q[0])
-            out = torch.cat(
-                (
-                    self.attn_mha(q[0], k[:cut], v[:cut], extend),
-                    self._absorbed_attn(q[1], k[cut:], v[cut:], decode),
-                )
-            )
+        if batch.attn_parts is not None:
+            (extend, decode), cut = batch.attn_parts, self._cut(batch)
+            out = self._absorbed_attn(q[1], k[cut:], v[cut:], decode)
+            if extend is not None:
+                out = torch.cat((self.attn_mha(q[0], k[:cut], v[:cut], extend), out))
         elif self._expands(batch):
             out = self.attn_mha(q, k, v, batch)
         else:

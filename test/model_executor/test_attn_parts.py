@@ -1,5 +1,6 @@
-"""``split_off_decode_tail``: a MIXED batch's prompts and its decoding requests as two batches
-(the end-to-end check, MLA's logprobs in MIXED steps, is in test/managers/test_scheduler.py)."""
+"""``split_off_decode_tail``: an extend batch's prompts and its one-token rows after a prefix
+(a MIXED batch's decoding requests) as two batches (the end-to-end check, MLA's logprobs in
+MIXED steps, is in test/managers/test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import torch
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, split_off_decode_tail
 
 
-def mixed_batch(prefix: list[int], new: list[int]) -> ForwardBatch:
+def extend_batch(
+    prefix: list[int], new: list[int], mode: ForwardMode = ForwardMode.MIXED
+) -> ForwardBatch:
     n = sum(new)
     seq_lens = [p + k for p, k in zip(prefix, new)]
     return ForwardBatch(
-        forward_mode=ForwardMode.MIXED,
+        forward_mode=mode,
         batch_size=len(new),
         input_ids=torch.arange(100, 100 + n),
         positions=torch.tensor([p + i for p, k in zip(prefix, new) for i in range(k)]),
@@ -30,9 +33,9 @@ def mixed_batch(prefix: list[int], new: list[int]) -> ForwardBatch:
 def test_the_trailing_one_token_rows_become_a_decode_batch():
     # A prompt's one-token chunk after its prefix (the second row) attends as a decoding
     # request does: it joins the decode part.
-    batch = mixed_batch([0, 4, 9, 4], [6, 1, 1, 1])
+    batch = extend_batch([0, 4, 9, 4], [6, 1, 1, 1])
     assert split_off_decode_tail(batch)
-    extend, decode = batch.mixed_parts
+    extend, decode = batch.attn_parts
     assert extend.forward_mode == ForwardMode.EXTEND and decode.forward_mode == ForwardMode.DECODE
     assert extend.batch_size == 1 and extend.num_tokens == 6
     assert extend.extend_prefix_lens_cpu == [0] and extend.extend_seq_lens_cpu == [6]
@@ -44,8 +47,16 @@ def test_the_trailing_one_token_rows_become_a_decode_batch():
     assert decode.seq_lens.tolist() == [5, 10, 5]
 
 
-def test_no_split_when_a_part_would_be_empty():
-    for prefix, new in (([3, 0], [4, 1]), ([5, 6], [1, 1]), ([0, 2], [3, 2])):
-        batch = mixed_batch(prefix, new)
+def test_all_one_token_rows_attend_as_decode():
+    """Prompts that the radix cache holds but for their last token: no EXTEND part."""
+    batch = extend_batch([5, 6], [1, 1], ForwardMode.EXTEND)
+    assert split_off_decode_tail(batch)
+    extend, decode = batch.attn_parts
+    assert extend is None and decode.batch_size == 2 and decode.seq_lens_cpu == [6, 7]
+
+
+def test_no_split_without_a_one_token_tail():
+    for prefix, new in (([3, 0], [4, 1]), ([0, 2], [3, 2])):
+        batch = extend_batch(prefix, new)
         assert not split_off_decode_tail(batch)
-        assert batch.mixed_parts is None
+        assert batch.attn_parts is None
