@@ -132,7 +132,7 @@ class ServerArgs(OverlapArgs):
             "Run the running requests' decode in the same batch as a prefill (one mixed "
             "batch) instead of in a step of its own after it; the prefill's budget "
             "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens. "
-            "Default: on on CPU without an overlap mode (docs/benchmarks.md, round 17); "
+            "On by default on CPU without an overlap mode (docs/benchmarks.md, round 17); "
             "--disable-mixed-chunk turns it off.",
         ),
     )
@@ -141,7 +141,7 @@ class ServerArgs(OverlapArgs):
         metadata=_arg(
             "memory",
             "Run every prefill in a batch of its own, the running requests decoding in the "
-            "step after it (where --enable-mixed-chunk would be the default).",
+            "step after it: turns off the CPU default of --enable-mixed-chunk.",
         ),
     )
     prefill_burst_hold_ms: float = field(
