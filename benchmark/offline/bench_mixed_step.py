@@ -40,7 +40,12 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     """Milliseconds per round for each of D, P, M (and M expanded)."""
     server_args = ServerArgs(model_path=args.model_path or default_model_path(), device="cpu")
     rows = args.running + args.new * (args.rounds * 3)
-    runner, ctx = make_runner(server_args, rows, rows * (args.input_len + 4) + args.rounds * 8)
+    # Every round the running requests grow by up to 3 tokens and 3 prefills arrive.
+    tokens = (
+        args.running * (args.input_len + 3 * args.rounds + 1)
+        + args.new * args.rounds * 3 * args.input_len
+    )
+    runner, ctx = make_runner(server_args, rows, tokens + 64)
     rng = random.Random(0)
     vocab = runner.model_config.vocab_size
 
