@@ -36,7 +36,15 @@ def test_chunked_and_retracted_outputs_follow_the_grammar(qwen3_moe_path):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(3, 12))] for _ in range(16)]
     roomy, _ = _run(qwen3_moe_path, prompts, max_total_tokens=4096)
-    tight, state = _run(qwen3_moe_path, prompts, max_total_tokens=100, chunked_prefill_size=16)
+    # Unmixed and without the burst hold (wall-clock bound), so that the pool runs out.
+    tight, state = _run(
+        qwen3_moe_path,
+        prompts,
+        max_total_tokens=100,
+        chunked_prefill_size=16,
+        disable_mixed_chunk=True,
+        prefill_burst_hold_ms=0,
+    )
     assert state["num_retracted_reqs"] > 0
     assert tight == roomy
     for i, text in enumerate(tight):
