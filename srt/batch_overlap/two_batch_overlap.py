@@ -36,7 +36,7 @@ from srt.batch_overlap.operations import (
 )
 from srt.batch_overlap.operations_strategy import OperationsStrategy
 from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, slice_forward_batch
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
 
@@ -201,17 +201,8 @@ def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardB
 def _child(
     parent: ForwardBatch, index: int, t0: int, t1: int, s0: int, s1: int, cut: int
 ) -> ForwardBatch:
-    device = parent.device
     seq_lens = list(parent.seq_lens_cpu[s0:s1])
     fields = dict(
-        forward_mode=parent.forward_mode if t1 > t0 else ForwardMode.IDLE,
-        batch_size=s1 - s0,
-        input_ids=parent.input_ids[t0:t1],
-        positions=parent.positions[t0:t1],
-        req_pool_indices=parent.req_pool_indices[s0:s1],
-        out_cache_loc=parent.out_cache_loc[t0:t1],
-        req_to_token_pool=parent.req_to_token_pool,
-        token_to_kv_pool=parent.token_to_kv_pool,
         global_forward_mode=parent.global_forward_mode or parent.forward_mode,
         is_extend_in_batch=parent.is_extend_in_batch,
         tbo_subbatch_index=index,
@@ -229,10 +220,10 @@ def _child(
             extend[0] -= cut
         fields |= dict(extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=extend)
     if cut:  # the cut sequence's length differs from the parent's
-        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    else:  # a view: a CUDA graph captured on the parent's buffers serves the children too
-        seq_lens_tensor = parent.seq_lens[s0:s1]
-    return ForwardBatch(seq_lens=seq_lens_tensor, seq_lens_cpu=seq_lens, **fields)
+        tensor = torch.tensor(seq_lens, dtype=torch.int64, device=parent.device)
+        fields |= dict(seq_lens=tensor, seq_lens_cpu=seq_lens)
+    mode = parent.forward_mode if t1 > t0 else ForwardMode.IDLE
+    return slice_forward_batch(parent, mode, (t0, t1), (s0, s1), **fields)
 
 
 def _set_dp_fields(

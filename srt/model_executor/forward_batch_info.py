@@ -163,29 +163,36 @@ def split_off_decode_tail(batch: ForwardBatch) -> bool:
     token = sum(new[:first])
     extend = None
     if first:
-        extend = _part(batch, ForwardMode.EXTEND, (0, token), (0, first))
-        extend.extend_prefix_lens_cpu, extend.extend_seq_lens_cpu = prefix[:first], new[:first]
-    decode = _part(batch, ForwardMode.DECODE, (token, batch.num_tokens), (first, batch.batch_size))
+        extend = slice_forward_batch(
+            batch, ForwardMode.EXTEND, (0, token), (0, first),
+            attn_backend=batch.attn_backend,
+            extend_prefix_lens_cpu=prefix[:first], extend_seq_lens_cpu=new[:first],
+        )  # fmt: skip
+    decode = slice_forward_batch(
+        batch, ForwardMode.DECODE, (token, batch.num_tokens), (first, batch.batch_size),
+        attn_backend=batch.attn_backend,
+    )  # fmt: skip
     batch.attn_parts = (extend, decode)
     return True
 
 
-def _part(
-    batch: ForwardBatch, mode: ForwardMode, tokens: tuple[int, int], seqs: tuple[int, int]
+def slice_forward_batch(
+    batch: ForwardBatch, mode: ForwardMode, tokens: tuple[int, int], seqs: tuple[int, int], **fields
 ) -> ForwardBatch:
-    """The sequences ``seqs`` of ``batch`` (token rows ``tokens``) as a batch of their own, for
-    attention: views of the parent's tensors."""
+    """The sequences ``seqs`` of ``batch`` (its token rows ``tokens``) as a batch of their own:
+    views of the parent's tensors (so a CUDA graph captured on the parent's buffers serves it
+    too); ``fields`` set the rest or override these."""
     (t0, t1), (s0, s1) = tokens, seqs
-    return ForwardBatch(
+    part = dict(
         forward_mode=mode,
         batch_size=s1 - s0,
         input_ids=batch.input_ids[t0:t1],
         positions=batch.positions[t0:t1],
         req_pool_indices=batch.req_pool_indices[s0:s1],
         seq_lens=batch.seq_lens[s0:s1],
-        seq_lens_cpu=batch.seq_lens_cpu[s0:s1],
+        seq_lens_cpu=list(batch.seq_lens_cpu[s0:s1]),
         out_cache_loc=batch.out_cache_loc[t0:t1],
         req_to_token_pool=batch.req_to_token_pool,
         token_to_kv_pool=batch.token_to_kv_pool,
-        attn_backend=batch.attn_backend,
     )
+    return ForwardBatch(**(part | fields))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.forward_batches import extend_batch
 
 from srt.batch_overlap.two_batch_overlap import (
     TboConfig,
@@ -17,30 +18,6 @@ from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.server_args import ServerArgs
 
 ALWAYS = TboConfig(True, decode_token_threshold=0, prefill_token_threshold=0)
-
-
-def _t(xs):
-    return torch.tensor(xs, dtype=torch.int64)
-
-
-def extend_batch(prefix: list[int], new: list[int]) -> ForwardBatch:
-    n = sum(new)
-    positions = [p + i for p, k in zip(prefix, new) for i in range(k)]
-    seq_lens = [p + k for p, k in zip(prefix, new)]
-    return ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=len(new),
-        input_ids=torch.arange(100, 100 + n),
-        positions=_t(positions),
-        req_pool_indices=torch.arange(len(new)) + 10,
-        seq_lens=_t(seq_lens),
-        seq_lens_cpu=seq_lens,
-        out_cache_loc=torch.arange(1000, 1000 + n),
-        req_to_token_pool=None,
-        token_to_kv_pool=None,
-        extend_prefix_lens_cpu=list(prefix),
-        extend_seq_lens_cpu=list(new),
-    )
 
 
 def decode_batch(bs: int) -> ForwardBatch:

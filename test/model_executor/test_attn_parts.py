@@ -4,36 +4,15 @@ MIXED steps, is in test/managers/test_scheduler.py)."""
 
 from __future__ import annotations
 
-import torch
+from helpers.forward_batches import extend_batch
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, split_off_decode_tail
-
-
-def extend_batch(
-    prefix: list[int], new: list[int], mode: ForwardMode = ForwardMode.MIXED
-) -> ForwardBatch:
-    n = sum(new)
-    seq_lens = [p + k for p, k in zip(prefix, new)]
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(new),
-        input_ids=torch.arange(100, 100 + n),
-        positions=torch.tensor([p + i for p, k in zip(prefix, new) for i in range(k)]),
-        req_pool_indices=torch.arange(len(new)) + 10,
-        seq_lens=torch.tensor(seq_lens),
-        seq_lens_cpu=seq_lens,
-        out_cache_loc=torch.arange(1000, 1000 + n),
-        req_to_token_pool=None,
-        token_to_kv_pool=None,
-        extend_prefix_lens_cpu=list(prefix),
-        extend_seq_lens_cpu=list(new),
-    )
+from srt.model_executor.forward_batch_info import ForwardMode, split_off_decode_tail
 
 
 def test_the_trailing_one_token_rows_become_a_decode_batch():
     # A prompt's one-token chunk after its prefix (the second row) attends as a decoding
     # request does: it joins the decode part.
-    batch = extend_batch([0, 4, 9, 4], [6, 1, 1, 1])
+    batch = extend_batch([0, 4, 9, 4], [6, 1, 1, 1], ForwardMode.MIXED)
     assert split_off_decode_tail(batch)
     extend, decode = batch.attn_parts
     assert extend.forward_mode == ForwardMode.EXTEND and decode.forward_mode == ForwardMode.DECODE
@@ -57,6 +36,6 @@ def test_all_one_token_rows_attend_as_decode():
 
 def test_no_split_without_a_one_token_tail():
     for prefix, new in (([3, 0], [4, 1]), ([0, 2], [3, 2])):
-        batch = extend_batch(prefix, new)
+        batch = extend_batch(prefix, new, ForwardMode.MIXED)
         assert not split_off_decode_tail(batch)
         assert batch.attn_parts is None
