@@ -161,8 +161,11 @@ class ServerArgs(OverlapArgs):
             "memory",
             "While requests decode and the waiting prompts need more than one prefill batch, "
             "prefill them in mixed batches of at most this many new tokens, the running "
-            "requests decoding in each, so that their streams go on through the burst; -1 "
-            "disables. Default 512 on CPU without an overlap mode, else -1.",
+            "requests decoding in each, so that their streams go on through the burst; but "
+            "while more requests wait than decode, prefill the burst in one batch of up to "
+            "--max-prefill-tokens (each prompt still chunked at --chunked-prefill-size), so "
+            "that only the few running streams wait for it; -1 disables both. Default 512 on "
+            "CPU without an overlap mode, else -1.",
         ),
     )
     disable_radix_cache: bool = field(

@@ -106,7 +106,10 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio()
         args = self.server_args
         self.burst = BurstPolicy(
-            args.prefill_burst_hold_ms / 1e3, args.prefill_batch_tokens, args.burst_chunk_size
+            args.prefill_burst_hold_ms / 1e3,
+            args.prefill_batch_tokens,
+            args.burst_chunk_size,
+            args.max_prefill_tokens,
         )
         self.output_processor = SchedulerOutputProcessor(
             self.tree_cache, self.tokenizer, self.server_args.stream_interval
@@ -247,8 +250,8 @@ class Scheduler:
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
-        decoding = not self.running_batch.is_empty()
-        if self.chunked_req is None and self.burst.holds(self.waiting_queue, decoding, self.now()):
+        num_running = len(self.running_batch.reqs)
+        if self.chunked_req is None and self.burst.holds(self.waiting_queue, num_running, self.now()):
             return None  # the running requests decode while the rest of the burst arrives
         running = self.running_batch.reqs
         max_new_reqs = min(
@@ -277,12 +280,17 @@ class Scheduler:
 
     def _prefill_shape(self) -> tuple[int, int]:
         """The next prefill's decode tokens (the running requests that ride in its batch, one
-        token each) and its chunk budget: a burst's spread prefill (BurstPolicy) carries them
-        in chunks of --burst-chunk-size; with mixed batches on (--enable-mixed-chunk, the
+        token each) and its chunk budget: a wave (BurstPolicy: more requests wait than run)
+        takes the whole burst in one batch of --max-prefill-tokens; a burst's spread prefill
+        carries them in chunks of --burst-chunk-size; with mixed batches on (--enable-mixed-chunk, the
         default on CPU: ``ServerArgs.mixes_decode_into_prefill``) every prefill carries them
         (not when they would leave it no room)."""
         args, num_running = self.server_args, len(self.running_batch.reqs)
-        if self.burst.spreads(self.waiting_queue, self.chunked_req is not None, num_running):
+        chunking = self.chunked_req is not None
+        if self.burst.waves(self.waiting_queue, chunking, num_running):
+            mixed = num_running if args.mixes_decode_into_prefill else 0
+            return mixed, self.burst.wave_budget
+        if self.burst.spreads(self.waiting_queue, chunking, num_running):
             return num_running, args.burst_chunk_size
         if args.mixes_decode_into_prefill and num_running < args.prefill_batch_tokens:
             return num_running, args.chunked_prefill_size
@@ -405,6 +413,7 @@ class Scheduler:
             "token_usage": (self.max_total_num_tokens - free) / self.max_total_num_tokens,
             "num_retracted_reqs": self.num_retracted_reqs,
             "num_prefill_burst_holds": self.burst.num_holds,
+            "num_wave_prefill_batches": self.burst.num_wave_batches,
             "num_spread_prefill_batches": self.burst.num_spread_batches,
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,

@@ -286,35 +286,60 @@ def test_mixed_batches_default(qwen3_moe_path):
         ServerArgs(model_path=qwen3_moe_path, enable_mixed_chunk=True, disable_mixed_chunk=True)
 
 
+def _burst_batches(qwen3_moe_path, spread: int, num_early: int):
+    """``num_early`` requests decode when 3 prompts of 6 tokens arrive (more than a batch of
+    16); the outputs of every request and the shapes of the 3 steps after the early prefill."""
+    args = ServerArgs(
+        model_path=qwen3_moe_path,
+        max_total_tokens=512,
+        chunked_prefill_size=16,
+        burst_chunk_size=spread,
+        prefill_burst_hold_ms=0,
+        disable_mixed_chunk=True,  # each prefill not spread in a batch of its own
+    )
+    scheduler = Scheduler(args)
+    reqs, shapes = _record_batches(scheduler)
+    for i in range(num_early):
+        scheduler.add_request(_tokenized(f"early{i}", [5 + i, 6, 7], max_new_tokens=12))
+    _step(scheduler, {})  # the early prefill; they decode from now on
+    for i in range(3):
+        scheduler.add_request(_tokenized(f"b{i}", list(range(10 + i, 16 + i)), 4))
+    _run_until_idle(scheduler)
+    scheduler.check_memory()
+    state = scheduler.get_internal_state()
+    counts = state["num_spread_prefill_batches"], state["num_wave_prefill_batches"]
+    return {rid: r.output_ids for rid, r in reqs.items()}, shapes[1:4], counts
+
+
 def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
-    """While a request decodes, waiting prompts that need more than one prefill batch go in
-    MIXED batches of --burst-chunk-size, the running requests decoding in each, where they
-    would otherwise be prefilled back to back; the outputs are the same."""
-    runs = {}
-    for spread in (-1, 8):
-        args = ServerArgs(
-            model_path=qwen3_moe_path,
-            max_total_tokens=512,
-            chunked_prefill_size=16,
-            burst_chunk_size=spread,
-            prefill_burst_hold_ms=0,
-            disable_mixed_chunk=True,  # unspread: each prefill in a batch of its own
-        )
-        scheduler = Scheduler(args)
-        reqs, shapes = _record_batches(scheduler)
-        scheduler.add_request(_tokenized("early", [5, 6, 7], max_new_tokens=12))
-        _step(scheduler, {})  # early's prefill; it decodes from now on
-        for i in range(3):  # 18 prompt tokens: more than one batch of 16
-            scheduler.add_request(_tokenized(f"b{i}", list(range(10 + i, 16 + i)), 4))
-        _run_until_idle(scheduler)
-        scheduler.check_memory()
-        runs[spread] = ({rid: r.output_ids for rid, r in reqs.items()}, shapes[1:4])
-        spread_batches = scheduler.get_internal_state()["num_spread_prefill_batches"]
-        assert spread_batches == (0 if spread == -1 else 3)
-    assert runs[-1][1] == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
-    # 8 tokens a batch, one per running request: b0 and b1's first token, then the rest
-    assert runs[8][1] == [("MIXED", [6, 1, 1]), ("MIXED", [5, 1, 1, 1]), ("MIXED", [5, 1, 1, 1])]
-    assert runs[8][0] == runs[-1][0]
+    """While as many requests decode as wait, waiting prompts that need more than one prefill
+    batch go in MIXED batches of --burst-chunk-size, the running requests decoding in each,
+    where they would otherwise be prefilled back to back; the outputs are the same."""
+    outputs, shapes, counts = _burst_batches(qwen3_moe_path, -1, num_early=3)
+    assert shapes == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
+    assert counts == (0, 0)
+    spread_outputs, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=3)
+    # 8 tokens a batch, one per running request: b0, then b1, then b2 in chunks
+    assert shapes == [
+        ("MIXED", [5, 1, 1, 1]),
+        ("MIXED", [1, 4, 1, 1, 1]),
+        ("MIXED", [2, 2, 1, 1, 1, 1]),
+    ]
+    assert counts == (5, 0)  # the last 4 of b2 in two more
+    assert spread_outputs == outputs
+
+
+def test_burst_wave_is_one_batch(qwen3_moe_path):
+    """While more requests wait than decode (a wave reaching a server that is nearly idle),
+    a burst larger than a prefill batch is prefilled in one batch of up to
+    --max-prefill-tokens: the one running stream pays one gap, and no stream started by a
+    first batch waits for a second; the outputs are the same."""
+    outputs, shapes, counts = _burst_batches(qwen3_moe_path, -1, num_early=1)
+    assert shapes == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
+    wave_outputs, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=1)
+    assert shapes == [("EXTEND", [6, 6, 6]), ("DECODE", []), ("DECODE", [])]
+    assert counts == (0, 1)
+    assert wave_outputs == outputs
 
 
 class FakeClock:
