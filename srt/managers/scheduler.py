@@ -250,10 +250,10 @@ class Scheduler:
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
-        num_running = len(self.running_batch.reqs)
-        if self.chunked_req is None and self.burst.holds(self.waiting_queue, num_running, self.now()):
-            return None  # the running requests decode while the rest of the burst arrives
         running = self.running_batch.reqs
+        waiting = self.waiting_queue
+        if self.chunked_req is None and self.burst.holds(waiting, len(running), self.now()):
+            return None  # the running requests decode while the rest of the burst arrives
         max_new_reqs = min(
             self.max_running_requests - len(running),
             self.ctx.req_to_token_pool.available_size() + (self.chunked_req is not None),
@@ -282,9 +282,9 @@ class Scheduler:
         """The next prefill's decode tokens (the running requests that ride in its batch, one
         token each) and its chunk budget: a wave (BurstPolicy: more requests wait than run)
         takes the whole burst in one batch of --max-prefill-tokens; a burst's spread prefill
-        carries them in chunks of --burst-chunk-size; with mixed batches on (--enable-mixed-chunk, the
-        default on CPU: ``ServerArgs.mixes_decode_into_prefill``) every prefill carries them
-        (not when they would leave it no room)."""
+        carries them in chunks of --burst-chunk-size; with mixed batches on
+        (--enable-mixed-chunk, the default on CPU: ``ServerArgs.mixes_decode_into_prefill``)
+        every prefill carries them (not when they would leave it no room)."""
         args, num_running = self.server_args, len(self.running_batch.reqs)
         chunking = self.chunked_req is not None
         if self.burst.waves(self.waiting_queue, chunking, num_running):
