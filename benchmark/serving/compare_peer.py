@@ -23,11 +23,16 @@ fails at load in fp32, so such a checkpoint gets ``--attention-backend CPU_MLA``
     python benchmark/serving/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
         --num-prompts 32 --input-len 128 --output-len 32 --runs 3
 
-``--paired`` keeps both servers up and, at each concurrency, runs the client against one and
-then the other, back to back, the order flipping every run. On a host whose speed drifts over
-minutes, engines measured one after the other can meet different machines; a pair measured
-back to back meets the same one. An idle server burns no core (each client run waits for a
-quiet machine first), and memory holds both.
+``--paired`` keeps every engine's server up and, at each concurrency, runs the client against
+one after the other, back to back, the order flipping every run. On a host whose speed drifts
+over minutes, engines measured one after the other can meet different machines; a pair
+measured back to back meets the same one. An idle server burns no core (each client run waits for a
+quiet machine first), and memory holds them all.
+
+``--baseline DIR`` adds a third engine, ``base``: srt served from another checkout of it (an
+earlier commit, ``git worktree add DIR COMMIT``) with this environment, measured like the others
+(beside them with ``--paired``), and a second table gives srt against it: a change's before and
+after, through the same client and on the same machine.
 
 ``--one-batch`` also times srt's decode step for one sequence with bench_one_batch (no server),
 to compare with the served TPOT at concurrency 1.
@@ -75,6 +80,12 @@ class Run:
     mean_itl_ms: float = 0.0
     p99_itl_ms: float = 0.0
     tokens_per_chunk: float = 0.0  # output tokens over the chunks that carried them
+    median_tpot_ms: float = 0.0
+
+    @property
+    def tail_ratio(self) -> float:
+        """ITL p99 over the median TPOT: how far the longest gaps are from the usual pace."""
+        return self.p99_itl_ms / self.median_tpot_ms if self.median_tpot_ms else 0.0
 
     @classmethod
     def of(cls, data: dict) -> Run:
@@ -85,7 +96,8 @@ class Run:
             chunks += len(itls) + 1 if n else 0
         return cls(data["output_throughput"], data["mean_ttft_ms"], data["mean_tpot_ms"],
                    data.get("mean_itl_ms", 0.0), data.get("p99_itl_ms", 0.0),
-                   tokens / chunks if chunks else 0.0)  # fmt: skip
+                   tokens / chunks if chunks else 0.0,
+                   data.get("median_tpot_ms", 0.0))  # fmt: skip
 
 
 @dataclass
@@ -115,15 +127,19 @@ def cpu_list() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
+ENGINES = ("srt", "vllm", "base")
+LABELS = {"srt": "srt", "vllm": "vLLM", "base": "base"}
+
+
 def engine_port(engine: str, args: argparse.Namespace) -> int:
-    """Each engine has a port of its own, so that both can be up at once (``--paired``)."""
-    return args.port + (engine == "vllm")
+    """Each engine has a port of its own, so that all can be up at once (``--paired``)."""
+    return args.port + ENGINES.index(engine)
 
 
 def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str]) -> list[str]:
     port = str(engine_port(engine, args))
     common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", port]
-    if engine == "srt":
+    if engine in ("srt", "base"):
         return [sys.executable, "-m", "launch_server", "--model-path", args.model_path, *common,
                 *shlex.split(args.srt_args)]  # fmt: skip
     extra = shlex.split(args.vllm_args)
@@ -144,6 +160,9 @@ def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # its platform check reads the version too
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list())
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gib))
+    if engine == "base":  # its own srt and launch_server first (the server also runs there)
+        paths = [str(args.baseline), str(args.baseline / "launch"), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     return env
 
 
@@ -211,6 +230,7 @@ def start_engine(engine: str, args, vllm, run_index: int, logs: Path):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        cwd=args.baseline if engine == "base" else None,  # ``-m`` puts the cwd first on the path
     )
     return proc, log
 
@@ -223,8 +243,8 @@ def measure_one(engine: str, args, vllm, run_index: int, concurrency: int, resul
     print(f"run {run_index} {engine:4s} concurrency {concurrency:3d}: "
           f"{run.output_throughput:8.1f} tok/s, TTFT {run.mean_ttft_ms:7.1f} ms, "
           f"TPOT {run.mean_tpot_ms:6.1f} ms, ITL {run.mean_itl_ms:6.1f} ms mean "
-          f"{run.p99_itl_ms:6.1f} ms p99, {run.tokens_per_chunk:.2f} tokens a chunk",
-          flush=True)  # fmt: skip
+          f"{run.p99_itl_ms:6.1f} ms p99 ({run.tail_ratio:.2f}x the median TPOT), "
+          f"{run.tokens_per_chunk:.2f} tokens a chunk", flush=True)  # fmt: skip
 
 
 def measure_engine(engine: str, args, vllm, run_index: int, results: Results, logs: Path) -> None:
@@ -279,18 +299,21 @@ def one_batch_decode_ms(args) -> float:
     return 1000 * statistics.median(r["median_decode_latency"] for r in rows)
 
 
-def format_table(args, results: Results) -> str:
+def format_table(args, results: Results, peer_engine: str = "vllm") -> str:
+    """srt against ``peer_engine`` (vLLM, or ``base``: srt from ``--baseline``), every run."""
+    a, b = "srt", LABELS[peer_engine]
+    against = f", against {args.baseline}" if peer_engine == "base" else ""
     lines = [
         f"model {args.model_path}, in {args.input_len} / out {args.output_len}, "
         f"{args.num_prompts} prompts, {args.runs} runs{' paired' if args.paired else ''} "
-        "(vllm bench serve, /v1/completions)",
-        "| concurrency | srt out tok/s | vLLM-CPU out tok/s | srt / vLLM | srt TPOT (ms) "
-        "| vLLM TPOT (ms) | srt ITL mean / p99 (ms) | vLLM ITL mean / p99 (ms) "
-        "| srt / vLLM tokens a chunk |",
+        f"(vllm bench serve, /v1/completions){against}",
+        f"| concurrency | {a} out tok/s | {b} out tok/s | {a} / {b} | {a} TPOT (ms) "
+        f"| {b} TPOT (ms) | {a} ITL mean / p99 (ms) | {b} ITL mean / p99 (ms) "
+        f"| {a} / {b} tokens a chunk |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in args.concurrency:
-        ours, peer = results.runs.get(("srt", c), []), results.runs.get(("vllm", c), [])
+        ours, peer = results.runs.get(("srt", c), []), results.runs.get((peer_engine, c), [])
         spread = lambda runs, key: (  # noqa: E731
             " / ".join(f"{getattr(r, key):.1f}" for r in runs) if runs else "-"
         )
@@ -321,8 +344,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--runs", type=int, default=3, help="server starts per engine")
-    p.add_argument("--engines", nargs="+", choices=["srt", "vllm"], default=["srt", "vllm"])
-    p.add_argument("--port", type=int, default=30100, help="srt's; vLLM's is the next one")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=["srt", "vllm"])
+    p.add_argument("--port", type=int, default=30100, help="srt's; vLLM's and base's follow")
+    p.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another srt checkout (git worktree add DIR COMMIT), served as the engine 'base' "
+        "with this environment, and compared with srt in a second table",
+    )  # fmt: skip
     p.add_argument(
         "--paired", action="store_true",
         help="both servers up at once, and at each concurrency one client run against each, "
@@ -341,7 +369,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--one-batch", action="store_true", help="also time bench_one_batch decode")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs and client results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
+        if not (args.baseline / "launch" / "launch_server.py").is_file():
+            p.error(f"--baseline {args.baseline}: not an srt checkout (no launch/launch_server.py)")
+        if "base" not in args.engines:
+            args.engines = [*args.engines, "base"]  # a new list: the default is shared
+    elif "base" in args.engines:
+        p.error("--engines base needs --baseline DIR")
+    return args
 
 
 def main(argv=None) -> int:
@@ -358,8 +395,10 @@ def main(argv=None) -> int:
             continue
         for engine in args.engines:
             measure_engine(engine, args, vllm, run_index, results, logs)
-    print()
-    print(format_table(args, results))
+    for peer_engine in ("vllm", "base"):
+        if peer_engine in args.engines:
+            print()
+            print(format_table(args, results, peer_engine))
     if args.one_batch:
         print(f"srt bench_one_batch decode step, batch 1: {one_batch_decode_ms(args):.1f} ms")
     return 0

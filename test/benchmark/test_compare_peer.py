@@ -3,8 +3,11 @@ vLLM CLI wrapper it writes, and the table it prints (no vLLM needed)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from benchmark.serving import compare_peer
 
@@ -65,11 +68,12 @@ def test_table_reports_every_run_and_the_ratio_range():
 
 def test_run_reads_the_gaps_between_chunks():
     data = {"output_throughput": 10.0, "mean_ttft_ms": 5.0, "mean_tpot_ms": 2.0,
-            "mean_itl_ms": 3.0, "p99_itl_ms": 9.0, "output_lens": [4, 3, 0],
+            "median_tpot_ms": 1.5, "mean_itl_ms": 3.0, "p99_itl_ms": 9.0, "output_lens": [4, 3, 0],
             "itls": [[2.0, 2.0, 2.0], [1.0], []]}  # fmt: skip
     run = compare_peer.Run.of(data)
     # 7 tokens in 6 chunks: the second request's 3 tokens came in 2
     assert (run.mean_itl_ms, run.p99_itl_ms, run.tokens_per_chunk) == (3.0, 9.0, 7 / 6)
+    assert run.tail_ratio == 6.0  # the p99 gap over the median TPOT
     args = compare_peer.parse_args(["--model-path", "/m", "--concurrency", "1"])
     results = compare_peer.Results()
     results.add("srt", 1, run)
@@ -84,3 +88,30 @@ def test_paired_runs_give_each_engine_its_port_and_flip_the_order():
     assert compare_peer.paired_order(["srt", "vllm"], 0) == ["srt", "vllm"]
     assert compare_peer.paired_order(["srt", "vllm"], 1) == ["vllm", "srt"]
     assert "paired" in compare_peer.format_table(args, compare_peer.Results()).splitlines()[0]
+
+
+def test_a_baseline_checkout_is_served_from_its_own_code(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "launch_server.py").write_text("")
+    args = compare_peer.parse_args(["--model-path", "/m", "--port", "31000", "--paired",
+                                    "--engines", "srt", "--baseline", str(tmp_path)])  # fmt: skip
+    assert args.engines == ["srt", "base"] and compare_peer.engine_port("base", args) == 31002
+    assert compare_peer.parse_args(["--model-path", "/m"]).engines == ["srt", "vllm"]
+    command = compare_peer.server_command("base", args, ("py", "cli"))
+    assert command[1:3] == ["-m", "launch_server"] and "31002" in command
+    # Its srt and launch_server come first on the path, ahead of the installed project's.
+    path = compare_peer.server_env("base", args)["PYTHONPATH"].split(os.pathsep)
+    assert path[:2] == [str(tmp_path), str(tmp_path / "launch")]
+    results = compare_peer.Results()
+    results.add("srt", 32, compare_peer.Run(120.0, 10.0, 2.0))
+    results.add("base", 32, compare_peer.Run(100.0, 10.0, 2.0))
+    table = compare_peer.format_table(args, results, "base")
+    assert str(tmp_path) in table.splitlines()[0] and "| srt / base |" in table
+    assert "1.20–1.20×" in next(line for line in table.splitlines() if line.startswith("| 32 |"))
+
+
+def test_a_baseline_must_be_an_srt_checkout(tmp_path, capsys):
+    for argv in (["--baseline", str(tmp_path)], ["--engines", "srt", "base"]):
+        with pytest.raises(SystemExit):
+            compare_peer.parse_args(["--model-path", "/m", *argv])
+    assert "--engines base needs --baseline" in capsys.readouterr().err
