@@ -26,8 +26,8 @@ fails at load in fp32, so such a checkpoint gets ``--attention-backend CPU_MLA``
 ``--paired`` keeps every engine's server up and, at each concurrency, runs the client against
 one after the other, back to back, the order flipping every run. On a host whose speed drifts
 over minutes, engines measured one after the other can meet different machines; a pair
-measured back to back meets the same one. An idle server burns no core (each client run waits for a
-quiet machine first), and memory holds them all.
+measured back to back meets the same one. An idle server burns no core (each client run waits
+for a quiet machine first), and memory holds them all.
 
 ``--baseline DIR`` adds a third engine, ``base``: srt served from another checkout of it (an
 earlier commit, ``git worktree add DIR COMMIT``) with this environment, measured like the others
@@ -353,7 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--paired", action="store_true",
-        help="both servers up at once, and at each concurrency one client run against each, "
+        help="every server up at once, and at each concurrency one client run against each, "
         "back to back (the order flips every run); default: one engine at a time",
     )  # fmt: skip
     # Values that start with a dash need the = form: --srt-args="--tp 2".
