@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from srt import __version__
 from srt.entrypoints.launcher import launch_subprocesses, run_follower_node
+from srt.entrypoints.openai.utils import sse_done
 from srt.managers.io_struct import UNSUPPORTED_FIELDS, GenerateReqInput, is_unset
 from srt.managers.tokenizer_manager import (
     RETRY_AFTER_S,
@@ -82,7 +83,7 @@ async def stream_generate(tm: TokenizerManager, obj: GenerateReqInput, request: 
                 yield sse_line(out)
         except ServerFailedError as e:  # the status line is sent already: report in the stream
             yield sse_line({"error": {"message": str(e), "code": 500}})
-        yield b"data: [DONE]\n\n"
+        yield await sse_done()
 
     return StreamingResponse(lines(), media_type="text/event-stream")
 

@@ -18,11 +18,11 @@ from pydantic import BaseModel
 from srt.entrypoints.openai.protocol import SamplingRequest
 from srt.entrypoints.openai.streams import collect_final, merge_streams, open_streams
 from srt.entrypoints.openai.utils import (
-    SSE_DONE,
     OpenAIError,
     check_model,
     json_response,
     parse_request,
+    sse_done,
     sse_line,
 )
 from srt.managers.io_struct import GenerateReqInput
@@ -112,4 +112,4 @@ async def sse_body(chunks: AsyncGenerator[BaseModel, None]) -> AsyncIterator[byt
         yield OpenAIError(str(e), 500, "InternalServerError").sse()
     finally:
         await chunks.aclose()
-    yield SSE_DONE
+    yield await sse_done()

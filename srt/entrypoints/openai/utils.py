@@ -3,6 +3,7 @@ usage and per-choice stream bookkeeping."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, TypeVar
@@ -23,6 +24,15 @@ from srt.managers.tokenizer_manager import RETRY_AFTER_S
 ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_LISTED_ERRORS = 3
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse_done() -> bytes:
+    """A stream's closing [DONE], after one turn of the event loop: when one step finishes many
+    streams, each writes its last token before any of them closes (a close is two more writes
+    to the socket; closing each stream right after its last token would delay the next stream's
+    last token by those writes)."""
+    await asyncio.sleep(0)
+    return SSE_DONE
 
 
 class OpenAIError(Exception):

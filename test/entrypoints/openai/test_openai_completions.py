@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import asyncio
+
 from openai_fakes import MODEL, MODEL_PATH, FakeTokenizerManager, make_client, sse_events
+
+from srt.entrypoints.openai.protocol import CompletionResponse
+from srt.entrypoints.openai.serving_base import sse_body
 
 
 def test_models(client) -> None:
@@ -144,6 +149,33 @@ def test_completion_stream_sends_a_chunk_per_token(client) -> None:
     choices = [e["choices"][0] for e in events[:-1]]
     assert [c["text"] for c in choices] == ["Hello", "", " world!", " How"]
     assert [c["finish_reason"] for c in choices] == [None] * 3 + ["length"]
+
+
+def test_streams_finished_by_one_step_send_their_last_tokens_before_closing() -> None:
+    """One step finishes two streams (one event wakes both): each writes its last token before
+    either writes [DONE], so the second stream's last token does not wait for the first's
+    close."""
+    writes: list[tuple[str, bytes]] = []
+
+    async def main() -> None:
+        step = asyncio.Event()
+
+        async def chunks(name: str):
+            await step.wait()
+            yield CompletionResponse(id=name, created=0, model=MODEL, choices=[])
+
+        async def stream(name: str) -> None:
+            async for line in sse_body(chunks(name)):
+                writes.append((name, line))
+
+        tasks = [asyncio.create_task(stream(name)) for name in ("a", "b")]
+        await asyncio.sleep(0)  # both wait for the step
+        step.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    order = [(name, line.startswith(b"data: [DONE]")) for name, line in writes]
+    assert order == [("a", False), ("b", False), ("a", True), ("b", True)]
 
 
 def test_completion_stream_several_prompts(client) -> None:
