@@ -128,7 +128,7 @@ def cpu_list() -> str:
 
 
 ENGINES = ("srt", "vllm", "base")
-LABELS = {"srt": "srt", "vllm": "vLLM", "base": "base"}
+PEER_LABELS = {"vllm": "vLLM", "base": "base"}  # the engines srt is compared with
 
 
 def engine_port(engine: str, args: argparse.Namespace) -> int:
@@ -301,7 +301,7 @@ def one_batch_decode_ms(args) -> float:
 
 def format_table(args, results: Results, peer_engine: str = "vllm") -> str:
     """srt against ``peer_engine`` (vLLM, or ``base``: srt from ``--baseline``), every run."""
-    a, b = "srt", LABELS[peer_engine]
+    a, b = "srt", PEER_LABELS[peer_engine]
     against = f", against {args.baseline}" if peer_engine == "base" else ""
     lines = [
         f"model {args.model_path}, in {args.input_len} / out {args.output_len}, "
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
             continue
         for engine in args.engines:
             measure_engine(engine, args, vllm, run_index, results, logs)
-    for peer_engine in ("vllm", "base"):
+    for peer_engine in PEER_LABELS:
         if peer_engine in args.engines:
             print()
             print(format_table(args, results, peer_engine))
