@@ -6,13 +6,22 @@ that wait for each other at its end: when another process takes one of those thr
 (it does every step, to stream the step's tokens), every op waits for it, and the last thread
 buys little anyway. Such a step therefore leaves one core of the node that runs the front end
 to those processes. A step that streams many weights from memory gains bandwidth from every
-core, so it keeps them all, as do prefill steps.
+core, so it keeps them all.
 
 What a decode step reads is not the model's size: of the routed experts it reads at most
 ``sequences × top_k`` experts' worth (:class:`DecodeWeights`), so a mixture of experts that is
 large in all decodes a few sequences like a small model, and a batch of many like a large one.
 Measured on 2 cores with ``benchmark/serving/compare_peer.py``: ``docs/benchmarks_history.md``,
 round 8.
+
+A prefill (or mixed) step leaves that core too when it reads as few weights and its work (its
+tokens times the weight bytes one token reads) is small, a prompt or two of a small model: the
+last thread saves little there, and such a step comes when a stream ends and the next request
+arrives, the front end's busiest moment. On 2 cores (small model, one 128-token prompt with
+15 requests decoding) it took 3.8 ms on both cores offline and 4.5 ms on one; serving 16
+streams, 5-13 ms on both (up to 9.5 ms of it waiting for a core), 4.0-4.6 ms on one. A lone
+prompt arriving with the rest of a burst took 16-22 ms on both, 5-9 ms on one
+(``docs/benchmarks.md``, round 19). More prompts, or a larger model, keep every core.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from srt.server_args import ServerArgs
 
 # A decode step reading fewer weight bytes than this runs on one core fewer (see above).
 SMALL_MODEL_BYTES = 64 << 20
+# A prefill or mixed step reading as few does too while tokens × bytes per token are under this.
+SMALL_EXTEND_WORK = 512 << 20
 # GOMP_SPINCOUNT for the ranks (see limit_openmp_spin): about 0.1 ms of spinning.
 OPENMP_SPIN_COUNT = "1000"
 
@@ -82,7 +93,8 @@ class DecodeWeights:
 
 class CpuThreads:
     """``lean_decode_threads`` for decode steps that read under SMALL_MODEL_BYTES,
-    ``decode_threads`` for the others, ``extend_threads`` for prefill."""
+    ``decode_threads`` for the others; ``lean_extend_threads`` for prefill and mixed steps that
+    read as few and do less work than SMALL_EXTEND_WORK, ``extend_threads`` for the others."""
 
     def __init__(
         self,
@@ -90,9 +102,11 @@ class CpuThreads:
         decode_threads: int,
         lean_decode_threads: int | None = None,
         weights: DecodeWeights | None = None,
+        lean_extend_threads: int | None = None,
     ):
         self.extend_threads, self.decode_threads = extend_threads, decode_threads
         self.lean_decode_threads = lean_decode_threads or decode_threads
+        self.lean_extend_threads = lean_extend_threads or extend_threads
         self.weights = weights or DecodeWeights(0)
         self.current = torch.get_num_threads()
 
@@ -102,13 +116,18 @@ class CpuThreads:
             return None
         cores, ranks = len(os.sched_getaffinity(0)), server_args.num_ranks_per_node
         front_end = 1 if server_args.node_rank == 0 else 0
-        full = max(1, cores // ranks)
+        full, lean = max(1, cores // ranks), max(1, (cores - front_end) // ranks)
         if server_args.cpu_decode_threads:
-            return cls(full, server_args.cpu_decode_threads)
-        return cls(full, full, max(1, (cores - front_end) // ranks), weights)
+            decode = server_args.cpu_decode_threads
+            return cls(full, decode, weights=weights, lean_extend_threads=lean)
+        return cls(full, full, lean, weights, lean)
 
-    def threads_for(self, mode: ForwardMode, sequences: int) -> int:
+    def threads_for(self, mode: ForwardMode, sequences: int, tokens: int = 0) -> int:
+        """``tokens``: the step's (prefill and mixed steps; decode steps go by ``sequences``)."""
         if not mode.is_decode_or_idle():
+            reads = self.weights.read_by(tokens)
+            if reads < SMALL_MODEL_BYTES and tokens * self.weights.read_by(1) < SMALL_EXTEND_WORK:
+                return self.lean_extend_threads
             return self.extend_threads
         if self.weights.read_by(sequences) < SMALL_MODEL_BYTES:
             return self.lean_decode_threads
@@ -119,8 +138,8 @@ class CpuThreads:
         the front end has a core of its own while the model decodes."""
         return self.threads_for(ForwardMode.DECODE, max_sequences) < self.extend_threads
 
-    def apply(self, mode: ForwardMode, sequences: int) -> None:
-        threads = self.threads_for(mode, sequences)
+    def apply(self, mode: ForwardMode, sequences: int, tokens: int = 0) -> None:
+        threads = self.threads_for(mode, sequences, tokens)
         if threads != self.current:
             torch.set_num_threads(threads)
             self.current = threads

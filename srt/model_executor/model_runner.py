@@ -324,6 +324,7 @@ class ModelRunner:
             self.cpu_threads.apply(
                 forward_batch.global_forward_mode or forward_batch.forward_mode,
                 forward_batch.batch_size,
+                forward_batch.num_tokens,
             )
         if self._splits_decode_tail(forward_batch) and split_off_decode_tail(forward_batch):
             for part in forward_batch.attn_parts:

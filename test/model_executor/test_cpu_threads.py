@@ -1,6 +1,7 @@
 """The per-step CPU thread choice: a decode step that reads few weights runs on one core fewer
 than prefill (left to the front end), one that reads many uses every core; a mixture of
 experts counts only the experts its sequences can reach; --cpu-decode-threads overrides it.
+A prefill of little work (tokens × the weight bytes a token reads) leaves that core too.
 And the ranks' OpenMP spin, short unless the environment chose one."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from srt.model_executor.cpu_threads import (
     OPENMP_SPIN_COUNT,
+    SMALL_EXTEND_WORK,
     SMALL_MODEL_BYTES,
     CpuThreads,
     DecodeWeights,
@@ -37,7 +39,7 @@ def _threads(weights: DecodeWeights, **kwargs) -> CpuThreads:
 
 def test_small_model_leaves_a_core_to_the_front_end_in_decode():
     threads = _threads(DecodeWeights(SMALL_MODEL_BYTES - 1))
-    assert threads.threads_for(ForwardMode.EXTEND, 8) == CORES
+    assert threads.threads_for(ForwardMode.EXTEND, 8, 1024) == CORES
     assert threads.threads_for(ForwardMode.DECODE, 1) == LEAN
     assert threads.threads_for(ForwardMode.DECODE, 256) == LEAN
 
@@ -70,17 +72,30 @@ def test_mixture_of_experts_counts_the_experts_its_sequences_reach():
     ]
 
 
-def test_decode_threads_flag_overrides_every_step():
-    threads = _threads(DecodeWeights(1), cpu_decode_threads=3)
+def test_small_prefill_leaves_a_core_to_the_front_end():
+    # a token reads 1 MiB outside the experts and 3 of 12 experts of 1 MiB each: 4 MiB
+    weights = DecodeWeights(1 * MIB, 12 * MIB, num_experts=12, top_k=3)
+    threads = _threads(weights)
+    under = SMALL_EXTEND_WORK // (4 * MIB) - 1
+    for mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        assert threads.threads_for(mode, 16, under) == LEAN
+        assert threads.threads_for(mode, 16, under + 1) == CORES
+    # one that reads many weights keeps every core, however few its tokens
+    assert _threads(DecodeWeights(SMALL_MODEL_BYTES)).threads_for(ForwardMode.EXTEND, 1, 1) == CORES
+
+
+def test_decode_threads_flag_overrides_every_decode_step():
+    threads = _threads(DecodeWeights(1 * MIB), cpu_decode_threads=3)
     assert threads.threads_for(ForwardMode.DECODE, 1) == 3
     assert threads.threads_for(ForwardMode.DECODE, 512) == 3
-    assert threads.threads_for(ForwardMode.EXTEND, 1) == CORES
+    assert threads.threads_for(ForwardMode.EXTEND, 1, 1) == LEAN
+    assert threads.threads_for(ForwardMode.EXTEND, 1, 512) == CORES
 
 
 def test_apply_switches_threads_by_step():
     before = torch.get_num_threads()
     weights = DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
-    threads = CpuThreads(extend_threads=2, decode_threads=2, lean_decode_threads=1, weights=weights)
+    threads = CpuThreads(2, 2, lean_decode_threads=1, weights=weights, lean_extend_threads=1)
     try:
         threads.apply(ForwardMode.DECODE, 1)
         assert torch.get_num_threads() == 1
@@ -88,8 +103,10 @@ def test_apply_switches_threads_by_step():
         assert torch.get_num_threads() == 2
         threads.apply(ForwardMode.IDLE, 0)
         assert torch.get_num_threads() == 1
-        threads.apply(ForwardMode.EXTEND, 1)
+        threads.apply(ForwardMode.EXTEND, 1, 64)  # 64 tokens × 38 MiB
         assert torch.get_num_threads() == 2
+        threads.apply(ForwardMode.EXTEND, 1, 1)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
