@@ -14,13 +14,16 @@ two: for each chunk, the token that ends it and that token's time at every stage
 Per concurrency: tokens per chunk (its distribution), the gap between chunks (median, p99)
 against the scheduler's gap between steps, and for the gaps over twice the median step, how
 long their last token spent in each hop (scheduler → detokenizer → HTTP process → response →
-client) and how long its step took; ``--json FILE`` keeps every figure.
+client) and how long its step took; and each kind of forward step (mode, threads): how long
+it took and how long its threads waited for a core (the other processes on its cores), in
+all and in the long gaps' steps. ``--json FILE`` keeps every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import json
 import os
@@ -76,13 +79,52 @@ def load_trace(folder: Path) -> dict[tuple[str, int], dict[str, float]]:
     """(rid, tokens) → stage → time (the first time a stage logged that count)."""
     out: dict[tuple[str, int], dict[str, float]] = collections.defaultdict(dict)
     for path in folder.glob("*.log"):
+        if path.name.startswith("step-"):
+            continue
         for line in path.read_text().splitlines():
             t, stage, rid, n = line.split()
             out[(rid, int(n))].setdefault(stage, float(t))
     return out
 
 
-def analyse(arrivals: list, trace: dict) -> dict:
+def load_steps(folder: Path) -> list[tuple]:
+    """Every rank's forward steps, by end time: (end, mode, sequences, tokens, threads, wall
+    ms, ms its threads waited for a core)."""
+    steps = []
+    for path in folder.glob("step-*.log"):
+        for line in path.read_text().splitlines():
+            end, _, mode, seqs, tokens, threads, wall, waited = line.split()
+            steps.append((float(end), mode, int(seqs), int(tokens), int(threads),
+                          float(wall), float(waited)))  # fmt: skip
+    return sorted(steps)
+
+
+def step_before(steps: list[tuple], t: float) -> tuple | None:
+    """The last forward step that ended by ``t`` (the one whose output the scheduler sent)."""
+    i = bisect.bisect_right(steps, (t, "\uffff")) - 1
+    return steps[i] if i >= 0 else None
+
+
+def summarise_steps(steps: list[tuple], start: float, end: float) -> dict:
+    """Per kind of step (mode, threads) in [start, end]: count, median and longest wall time,
+    and the time its threads waited for a core, in all and in the longest step."""
+    kinds: dict[str, list] = collections.defaultdict(list)
+    for step in steps:
+        if start <= step[0] <= end:
+            kinds[f"{step[1].lower()} on {step[4]}"].append(step)
+    return {
+        kind: {
+            "steps": len(group),
+            "wall_median_ms": statistics.median(s[5] for s in group),
+            "wall_max_ms": max(s[5] for s in group),
+            "waited_ms": sum(max(s[6], 0.0) for s in group),
+            "waited_in_longest_ms": max(group, key=lambda s: s[5])[6],
+        }
+        for kind, group in sorted(kinds.items())
+    }
+
+
+def analyse(arrivals: list, trace: dict, steps: list[tuple] | None = None) -> dict:
     """Tokens per chunk, gaps, and the hops of the long gaps' last tokens."""
     by_rid: dict[str, list] = collections.defaultdict(list)
     for now, rid, tokens in sorted(arrivals):
@@ -105,15 +147,23 @@ def analyse(arrivals: list, trace: dict) -> dict:
             long.append((gap, step, [stamps.get(s) for s in STAGES[:-1]] + [t1]))
     median_step = statistics.median(step_gaps) if step_gaps else 0.0
     hops = {f"{a}->{b}": [] for a, b in zip(STAGES, STAGES[1:])}
-    slow_steps = []
+    slow_steps, forwards = [], []
     for gap, step, times in long:
         if gap <= 2 * median_step or None in times:
             continue
         slow_steps.append(step)
         for values, a, b in zip(hops.values(), times, times[1:]):
             values.append(b - a)
+        forward = step_before(steps or [], times[0])
+        if forward is not None:
+            forwards.append(forward)
     ms = lambda v: 1e3 * v  # noqa: E731
+    times = [t for t, _, _ in arrivals]
     return {
+        "steps": summarise_steps(steps or [], min(times, default=0), max(times, default=0)),
+        "long_gap_forward_ms": statistics.mean(f[5] for f in forwards) if forwards else 0.0,
+        "long_gap_waited_ms": statistics.mean(max(f[6], 0) for f in forwards) if forwards else 0.0,
+        "long_gap_forwards": collections.Counter(f"{f[1].lower()} on {f[4]}" for f in forwards),
         "chunks": len(per_chunk) + len(by_rid),
         "tokens_per_chunk": collections.Counter(per_chunk),
         "mean_tokens_per_chunk": statistics.mean(per_chunk) if per_chunk else 0.0,
@@ -130,12 +180,21 @@ def analyse(arrivals: list, trace: dict) -> dict:
 def report(concurrency: int, a: dict) -> str:
     dist = ", ".join(f"{k}: {v}" for k, v in sorted(a["tokens_per_chunk"].items()))
     hops = ", ".join(f"{k} {v:.2f}" for k, v in a["long_gap_hops_ms"].items())
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(a["long_gap_forwards"].items()))
     return (
         f"concurrency {concurrency}: {a['mean_tokens_per_chunk']:.2f} tokens a chunk ({dist}); "
         f"gap between chunks median {a['gap_median_ms']:.2f} ms, p99 {a['gap_p99_ms']:.2f} ms; "
         f"scheduler step median {a['step_median_ms']:.2f} ms, p99 {a['step_p99_ms']:.2f} ms\n"
         f"  {a['long_gaps']} gaps over twice the median step: their step "
-        f"{a['long_gap_step_ms']:.2f} ms on average; hops of their last token (ms): {hops}"
+        f"{a['long_gap_step_ms']:.2f} ms on average; hops of their last token (ms): {hops}\n"
+        f"  their forward steps ({kinds}): {a['long_gap_forward_ms']:.2f} ms on average, "
+        f"{a['long_gap_waited_ms']:.2f} ms of it waiting for a core\n"
+        + "\n".join(
+            f"  {kind} steps: {k['steps']}, wall median {k['wall_median_ms']:.2f} ms, longest "
+            f"{k['wall_max_ms']:.2f} ms ({k['waited_in_longest_ms']:.2f} waiting for a core), "
+            f"{k['waited_ms']:.1f} ms waiting in all"
+            for kind, k in a["steps"].items()
+        )
     )
 
 
@@ -160,10 +219,10 @@ def main(argv=None) -> None:
                     results[c] = (arrivals, c)
         finally:
             os.environ.pop(ENV, None)
-        trace = load_trace(Path(tmp))
+        trace, steps = load_trace(Path(tmp)), load_steps(Path(tmp))
     out = {}
     for c, (arrivals, _) in results.items():
-        out[c] = analyse(arrivals, trace)
+        out[c] = analyse(arrivals, trace, steps)
         print(report(c, out[c]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, default=dict, indent=1))

@@ -49,6 +49,7 @@ from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
 from srt.server_args import ServerArgs
+from srt.utils import stream_trace
 from srt.utils.process import keep_heap_pages
 from srt.utils.sync_guard import forbid_host_sync
 
@@ -282,7 +283,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """One prepared batch (planned, and synced under DP attention): ``forward_step``."""
-        with self._sync_guard():
+        mode = forward_batch.forward_mode.name
+        with self._sync_guard(), stream_trace.forward_step(
+            mode, forward_batch.batch_size, forward_batch.num_tokens
+        ):
             return self._forward(forward_batch)
 
     def _sync_guard(self) -> contextlib.AbstractContextManager:
