@@ -158,9 +158,9 @@ def analyse(arrivals: list, trace: dict, steps: list[tuple] | None = None) -> di
         if forward is not None:
             forwards.append(forward)
     ms = lambda v: 1e3 * v  # noqa: E731
-    times = [t for t, _, _ in arrivals]
+    span = [t for t, _, _ in arrivals]
     return {
-        "steps": summarise_steps(steps or [], min(times, default=0), max(times, default=0)),
+        "steps": summarise_steps(steps or [], min(span, default=0), max(span, default=0)),
         "long_gap_forward_ms": statistics.mean(f[5] for f in forwards) if forwards else 0.0,
         "long_gap_waited_ms": statistics.mean(max(f[6], 0) for f in forwards) if forwards else 0.0,
         "long_gap_forwards": collections.Counter(f"{f[1].lower()} on {f[4]}" for f in forwards),
