@@ -62,13 +62,16 @@ def _run_queue_delay_ns() -> int | None:
     return total
 
 
-@contextlib.contextmanager
-def forward_step(mode: str, sequences: int, tokens: int) -> Iterator[None]:
-    """Log the step run inside it (see the module docstring); nothing when tracing is off."""
+def forward_step(mode: str, sequences: int, tokens: int) -> contextlib.AbstractContextManager:
+    """Log the step run inside it (see the module docstring); off, an empty context."""
     if _folder is None:
-        yield
-        return
-    import torch
+        return contextlib.nullcontext()
+    return _traced_step(mode, sequences, tokens)
+
+
+@contextlib.contextmanager
+def _traced_step(mode: str, sequences: int, tokens: int) -> Iterator[None]:
+    import torch  # the ranks have it loaded; the front-end processes never get here
 
     waited0, start = _run_queue_delay_ns(), time.monotonic()
     yield
