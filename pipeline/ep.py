@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from srt.batch_overlap.ubatching import (
+from srt.distributed.p2p import PendingWork
+from srt.layers.moe.token_dispatcher.torch_a2a import DuplexAllToAll
+from srt.layers.overlap.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_register_recv_hook,
     dbo_yield,
 )
-from srt.distributed.p2p import PendingWork
-from srt.layers.moe.token_dispatcher.torch_a2a import DuplexAllToAll
 
 
 @dataclass

@@ -134,10 +134,10 @@ def eager(runner) -> Iterator[None]:
 
 def check_ran_as_asked(runner, variant: str) -> None:
     """The variant's mode really ran: split steps, SBO steps, decode from the graphs."""
-    counts = runner.forward_step_counts
-    if variant.startswith("tbo") and not any(tbo for tbo, _, _ in counts):
+    counts = runner.step_counts
+    if variant.startswith("tbo") and not any(overlap == "tbo" for overlap, _ in counts):
         raise CheckFailed(f"no step ran split: {dict(counts)}")
-    if variant == "sbo" and not any(sbo for _, sbo, _ in counts):
+    if variant == "sbo" and not any(overlap == "sbo" for overlap, _ in counts):
         raise CheckFailed(f"no step ran single-batch overlap: {dict(counts)}")
     if runner.device.type != "cuda" or "graphs" not in variant:
         return

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
-from srt.batch_overlap.ubatching import UBatchWrapper, dbo_yield
+from srt.batch_overlap.ubatching import UBatchWrapper
+from srt.layers.overlap.ubatch_context import dbo_yield
 
 
 def _batch(index: int) -> SimpleNamespace:

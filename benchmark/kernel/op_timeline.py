@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from srt.batch_overlap.operations import OpEvent
+from srt.layers.overlap.operations import OpEvent
 
 # Two-batch overlap's micro-batches are A and B, dual-batch overlap's threads u0 and u1.
 ROWS = {"plain": 1, "A": 1, "B": 2, "u0": 1, "u1": 2}

@@ -69,7 +69,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
 
     kinds = {"D": decode, "P": lambda: prefill(False), "M": lambda: prefill(True)}
     if args.no_mla_split:
-        kinds["M expanded"] = lambda: _without_split(lambda: prefill(True))
+        kinds["M expanded"] = lambda: _without_split(runner, lambda: prefill(True))
     times = {name: [] for name in kinds}
     for _ in range(args.rounds):
         for name, run in kinds.items():
@@ -79,13 +79,12 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def _without_split(run) -> None:
-    split = ModelRunner._splits_decode_tail
-    ModelRunner._splits_decode_tail = lambda self, batch: False
+def _without_split(runner: ModelRunner, run) -> None:
+    runner.split_mla_decode_tail = False
     try:
         run()
     finally:
-        ModelRunner._splits_decode_tail = split
+        runner.split_mla_decode_tail = True
 
 
 def main(argv=None) -> None:

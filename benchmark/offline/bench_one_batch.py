@@ -48,7 +48,7 @@ from benchmark.kernel.op_timeline import (
     write_chrome_trace,
 )
 from benchmark.offline.hf_compare import compare_with_hf
-from srt.batch_overlap.operations import OperationObserver
+from srt.layers.overlap.operations import OperationObserver
 from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
 from srt.managers.scheduler_process import init_rank_parallel_state
 from srt.mem_cache.chunk_cache import ChunkCache

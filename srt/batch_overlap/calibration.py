@@ -65,7 +65,7 @@ def calibrate(runner: ModelRunner) -> None:
         policy.end_calibration()
         runner.req_to_token_pool.clear()
         runner.token_to_kv_pool_allocator.clear()
-        runner.forward_step_counts.clear()  # they count served steps
+        runner.step_counts.clear()  # they count served steps
     logger.info(
         "overlap auto: calibrated %d steps (decode up to %d, prefill up to %d tokens) in %.1f s",
         policy.num_calibration_steps,

@@ -4,7 +4,8 @@ two-batch overlap's (``split_forward_batch``), so attention metadata, DP buffer 
 dispatcher of each micro-batch are shared with TBO.
 
 Whether (vLLM's rule): a batch splits only if it holds at least ``--dbo-decode-token-threshold``
-tokens (a decode batch) or ``--dbo-prefill-token-threshold`` (a batch with a prefill). The
+tokens (a decode batch) or ``--dbo-prefill-token-threshold`` (a batch with a prefill); the
+threshold check is every split mode's (``srt.batch_overlap.step_split``). The
 decision is uniform across DP groups: every group's batch must pass its threshold; the split is
 then at half the largest group's tokens, the same token on every group, as if each group were
 padded to the largest count and cut in the middle; and if any group would then have an empty
@@ -22,36 +23,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-
-@dataclass(frozen=True)
-class DboConfig:
-    """The DBO flags a ModelRunner needs."""
-
-    enabled: bool = False
-    decode_token_threshold: int = 32
-    prefill_token_threshold: int = 512
-
-    @classmethod
-    def from_server_args(cls, server_args) -> DboConfig:
-        return cls(
-            server_args.overlap_mode == "dbo",
-            server_args.dbo_decode_token_threshold,
-            server_args.dbo_prefill_token_threshold,
-        )
-
-    def passes(self, batch: ForwardBatch) -> bool:
-        """Whether this batch may split (its own threshold; an idle batch never)."""
-        mode = batch.forward_mode
-        if not self.enabled or mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
-            return False
-        threshold = (
-            self.prefill_token_threshold if mode.is_extend() else self.decode_token_threshold
-        )
-        return batch.num_tokens >= threshold
+from srt.model_executor.forward_batch_info import ForwardBatch, StepSplit
 
 
 def uniform_split_token(num_tokens: Sequence[int]) -> int | None:
@@ -63,32 +36,18 @@ def uniform_split_token(num_tokens: Sequence[int]) -> int | None:
     return half
 
 
-def place_split(batch: ForwardBatch, token: int) -> None:
-    """Set the batch's split at ``token`` (0 < token < its tokens): the first sequence of the
-    second micro-batch (with a cut, the sequence that is cut)."""
+def split_at_token(
+    batch: ForwardBatch, token: int, group_tokens: tuple[int, ...] | None = None
+) -> StepSplit:
+    """The DBO split of ``batch`` at ``token`` (0 < token < its tokens): the first sequence of
+    the second micro-batch (with a cut, the sequence that is cut)."""
     if not 0 < token < batch.num_tokens:
         raise ValueError(f"a split at token {token} of a {batch.num_tokens}-token batch")
     seq = token
     if batch.forward_mode.is_extend():  # the sequence holding the token
         ends = list(itertools.accumulate(batch.extend_seq_lens_cpu))
         seq = next(i for i, end in enumerate(ends) if end > token)
-    batch.tbo_split_seq_index, batch.tbo_split_token_index = seq, token
-
-
-def plan_dual_batch_overlap(batch: ForwardBatch, config: DboConfig) -> None:
-    """This rank's proposal, as ``plan_two_batch_overlap``'s: a split at half its tokens when
-    its threshold passes (None otherwise), and ``can_run_tbo`` (whether the step runs split:
-    without DP attention this rank decides; under DP attention ``apply_dp_sync`` replaces the
-    split by the uniform one, or clears it)."""
-    batch.tbo_split_seq_index = batch.tbo_split_token_index = None
-    batch.can_run_tbo = False
-    if not config.passes(batch):
-        return
-    token = uniform_split_token([batch.num_tokens])
-    if token is None:
-        return
-    place_split(batch, token)
-    batch.can_run_tbo = True
+    return StepSplit("dbo", seq, token, group_tokens)
 
 
 def agree_dual_batch_overlap(rows: Sequence[tuple[int, bool]]) -> int | None:

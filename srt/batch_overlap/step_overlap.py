@@ -20,7 +20,7 @@ from srt.batch_overlap.overlap_policy import OverlapPolicy
 from srt.distributed.communication_op import all_gather_ints
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.moe.token_dispatcher.base import CommMeter
-from srt.model_executor.forward_batch_info import ForwardMode
+from srt.model_executor.forward_batch_info import SPLIT_MODES, ForwardMode
 
 _US = 1e6
 
@@ -55,15 +55,20 @@ class StepOverlap:
         """This rank's ints for the sync: the last forward's time and all-to-all time (µs)."""
         return list(self._measured) if self.policy is not None else []
 
+    def fixed_mode(self, can_split: bool) -> str:
+        """A fixed ``--overlap-mode``'s mode for a step: a split mode (TBO, DBO) runs only where
+        the step can split."""
+        fixed = self.overlap_mode
+        return "off" if fixed in SPLIT_MODES and not can_split else fixed
+
     def choose(
-        self, mode: ForwardMode, tokens: int, can_run_tbo: bool, shared: list[int] | None
+        self, mode: ForwardMode, tokens: int, can_split: bool, shared: list[int] | None
     ) -> str:
         """The overlap of the coming step of global ``mode``, ``tokens`` (the most of any
-        DP group) and the agreed ``can_run_tbo``; ``shared``: ``measurement`` maxed over the
-        ranks (auto). Sets ``mode`` and returns it."""
+        DP group), and whether it can split (agreed under DP attention); ``shared``:
+        ``measurement`` maxed over the ranks (auto). Sets ``mode`` and returns it."""
         if self.policy is None:
-            fixed = self.overlap_mode
-            self.mode = "off" if fixed in ("tbo", "dbo") and not can_run_tbo else fixed
+            self.mode = self.fixed_mode(can_split)
             return self.mode
         if self._step is not None and shared:
             seconds, comm = (value / _US for value in shared)
@@ -73,7 +78,7 @@ class StepOverlap:
             self.mode = "off"
             return self.mode
         kind = "prefill" if mode.is_extend() else "decode"
-        allowed = {"off", "sbo", *(["tbo"] if can_run_tbo else [])}
+        allowed = {"off", "sbo", *(["tbo"] if can_split else [])}
         self.mode = self.policy.choose(kind, tokens, allowed)
         self._step = _Step(kind, self.mode, tokens)
         return self.mode

@@ -12,31 +12,39 @@ Where to split (SGLang's rules, names and keywords, as in its ``two_batch_overla
 - ``token_distribution_threshold`` is ``--tbo-token-distribution-threshold`` (0 turns the
   two-chunk split off). It is an explicit argument: no global server-args dictionary.
 
-Whether to split (vLLM's DBO thresholds): a batch below ``--tbo-decode-token-threshold``
-(decode) or ``--tbo-prefill-token-threshold`` (extend) tokens runs unsplit, as does one whose
-split would leave a child empty; under DP attention the decision is unanimous (the MLP sync,
-``srt.model_executor.dp_sync``): every non-idle group must be able to split, all in the same mode.
+Whether to split: the thresholds every split mode shares (``srt.batch_overlap.step_split``);
+a batch whose split would leave a child empty runs unsplit; under DP attention the decision is
+unanimous (``agree_two_batch_overlap``, run by the MLP sync): every non-idle group must be able
+to split, all in the same mode.
 
-How (``split_forward_batch``, ``run_layers_overlapped``): the children are ForwardBatches over
-token ranges ``[0, split_token)`` and ``[split_token, N)`` of the parent; embedding, the dense
-layers before the first MoE layer, the final norm and the LM head run on the parent.
+How (``split_forward_batch``, ``run_layers_overlapped``, ``execute_overlapped_operations``):
+the children are ForwardBatches over token ranges ``[0, split_token)`` and
+``[split_token, N)`` of the parent; embedding, the dense layers before the first MoE layer, the
+final norm and the LM head run on the parent. The model runs the overlapped layers through
+``run_layers_overlapped``, which the ModelRunner hands it (models import no executor).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from srt.batch_overlap.operations import (
-    LayerState,
-    OperationObserver,
-    execute_overlapped_operations,
-)
-from srt.batch_overlap.operations_strategy import OperationsStrategy
 from srt.layers.dp_attention import DpPaddingMode, dp_buffer_len
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, slice_forward_batch
+from srt.layers.overlap.operations import (
+    LayerState,
+    OperationItem,
+    OperationObserver,
+    run_stage,
+    to_stages,
+)
+from srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+    StepSplit,
+    slice_forward_batch,
+)
+from srt.models.operations_strategy import OperationsStrategy
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
 
@@ -127,55 +135,30 @@ def _split_array_by_cum_less_than_half(lens: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------- whether
-@dataclass(frozen=True)
-class TboConfig:
-    """The TBO flags a ModelRunner needs (no global server-args dictionary)."""
-
-    enabled: bool = False
-    decode_token_threshold: int = 32
-    prefill_token_threshold: int = 512
-    token_distribution_threshold: float = DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD
-
-    @classmethod
-    def from_server_args(cls, server_args) -> TboConfig:
-        return cls(
-            "tbo" in server_args.overlap_modes,  # fixed, or one of auto's choices
-            server_args.tbo_decode_token_threshold,
-            server_args.tbo_prefill_token_threshold,
-            server_args.tbo_token_distribution_threshold,
-        )
-
-
-def plan_two_batch_overlap(batch: ForwardBatch, config: TboConfig) -> None:
-    """This rank's proposal: sets ``tbo_split_seq_index`` / ``tbo_split_token_index`` when the
-    batch can split (None otherwise) and, without DP attention (every rank runs this batch),
-    ``can_run_tbo``. Under DP attention ``apply_dp_sync`` decides ``can_run_tbo`` for all.
-
-    Only EXTEND and DECODE batches split: a MIXED batch (--enable-mixed-chunk) runs whole,
-    and srt has no speculative decoding (TARGET_VERIFY), whose split rule needs the draft
-    length."""
-    batch.tbo_split_seq_index = batch.tbo_split_token_index = None
-    batch.can_run_tbo = False
+def propose_tbo_split(batch: ForwardBatch, token_distribution_threshold: float) -> StepSplit | None:
+    """This rank's TBO split of a batch that passed its threshold (``SplitConfig.passes``), or
+    None when a micro-batch would be empty."""
     mode, num_tokens = batch.forward_mode, batch.num_tokens
-    if not config.enabled or mode not in (ForwardMode.EXTEND, ForwardMode.DECODE):
-        return
-    is_extend = mode == ForwardMode.EXTEND
-    threshold = config.prefill_token_threshold if is_extend else config.decode_token_threshold
-    if num_tokens < max(threshold, 2):
-        return
-    lens, per_seq = (batch.extend_seq_lens_cpu, None) if is_extend else (None, 1)
-    dist = config.token_distribution_threshold
+    lens, per_seq = (batch.extend_seq_lens_cpu, None) if mode.is_extend() else (None, 1)
+    dist = token_distribution_threshold
     seq = compute_split_seq_index(mode, num_tokens, lens, per_seq, dist)
     token = compute_split_token_index(seq, mode, lens, per_seq, dist)
     if not 0 < token < num_tokens:  # a child would be empty: not worth two micro-batches
-        return
-    batch.tbo_split_seq_index, batch.tbo_split_token_index = seq, token
-    batch.can_run_tbo = True
+        return None
+    return StepSplit("tbo", seq, token)
+
+
+def agree_two_batch_overlap(rows: list[tuple[ForwardMode, bool]]) -> bool:
+    """The DP agreement of two-batch overlap over ``(forward_mode, can_split)`` per group: TBO
+    only if every non-idle group can split and all non-idle groups are in the same mode; an
+    idle group follows (it splits its empty batch in two); all idle → no TBO."""
+    busy = [(mode, can) for mode, can in rows if not mode.is_idle()]
+    return bool(busy) and all(can for _, can in busy) and len({m for m, _ in busy}) == 1
 
 
 # ---------------------------------------------------------------------------------- children
 def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardBatch]:
-    """The two micro-batches of a batch whose ``can_run_tbo`` is set (an idle batch: two
+    """The two micro-batches of a batch whose step runs split (an idle batch: two
     empty ones). Token fields are views of the parent's; under the two-chunk split the cut
     sequence appears in both: child A with its first tokens, child B continuing it with its
     prefix length increased by those. Under DP attention each child gets every group's token
@@ -184,14 +167,15 @@ def split_forward_batch(batch: ForwardBatch, attn_tp_size: int) -> list[ForwardB
         bounds = [(0, 0, 0, 0), (0, 0, 0, 0)]
         cut = 0
     else:
-        seq, token, bs = batch.tbo_split_seq_index, batch.tbo_split_token_index, batch.batch_size
+        split, bs = batch.split, batch.batch_size
+        seq, token = split.seq_index, split.token_index
         cut = 0
         if batch.forward_mode.is_extend():
             cut = token - sum(batch.extend_seq_lens_cpu[:seq])  # child A's part of seq
         bounds = [(0, token, 0, seq + (cut > 0)), (token, batch.num_tokens, seq, bs)]
     children = [_child(batch, i, *bounds[i], cut) for i in range(2)]
     if batch.global_num_tokens_cpu is not None:
-        firsts = batch.global_tbo_split_tokens_cpu
+        firsts = batch.split.group_tokens
         counts = [firsts, [n - a for n, a in zip(batch.global_num_tokens_cpu, firsts)]]
         for child, child_counts in zip(children, counts):
             _set_dp_fields(child, batch, child_counts, attn_tp_size)
@@ -207,7 +191,7 @@ def _child(
         is_extend_in_batch=parent.is_extend_in_batch,
         tbo_subbatch_index=index,
         tbo_parent_token_range=(t0, t1),
-        dbo=parent.dbo,
+        split=parent.split.child(),
     )
     if parent.forward_mode.is_extend() and t1 > t0:
         prefix = list(parent.extend_prefix_lens_cpu[s0:s1])
@@ -261,6 +245,30 @@ def run_layers_overlapped(
 
 def with_children(batch: ForwardBatch, attn_tp_size: int) -> ForwardBatch:
     """``batch`` with its ``tbo_children`` built when the step runs split."""
-    if batch.can_run_tbo and batch.tbo_children is None:
+    if batch.split.is_split and batch.tbo_children is None:
         batch.tbo_children = split_forward_batch(batch, attn_tp_size)
     return batch
+
+
+def execute_overlapped_operations(
+    inputs_a: LayerState,
+    inputs_b: LayerState,
+    operations: Sequence[OperationItem],
+    delta_stages: int,
+    observer: OperationObserver | None = None,
+) -> tuple[LayerState, LayerState]:
+    """Two micro-batches through the same stages: A runs ``delta_stages`` stages alone, then A
+    and B alternate stage by stage (A's stage ``i + delta`` then B's stage ``i``), then B runs
+    its last ``delta_stages`` stages. Every rank runs the same sequence, so the collectives
+    the stages launch line up across ranks. Each state carries its own micro-batch (and with
+    it its DP buffer length and dispatcher index), so nothing global is switched between
+    stages. Returns the two states."""
+    stages = to_stages(operations)
+    if not 0 <= delta_stages <= len(stages):
+        raise ValueError(f"delta_stages {delta_stages} outside [0, {len(stages)}]")
+    for i in range(len(stages) + delta_stages):
+        if i < len(stages):
+            run_stage(stages[i], inputs_a, observer, "A")
+        if i >= delta_stages:
+            run_stage(stages[i - delta_stages], inputs_b, observer, "B")
+    return inputs_a, inputs_b

@@ -2,16 +2,13 @@
 forward in a thread of its own, and the two threads hand the turn to each other at yields placed
 in the token dispatchers, so that one computes while the other's all-to-all is in flight.
 
-Only one thread runs at a time; the other sleeps in ``dbo_yield``. A dispatcher that has sent
-an exchange registers a receive hook (``dbo_register_recv_hook``: on CPU, the wait for the
-exchange) and yields; the other thread computes up to its own next exchange, runs the hook it
-finds there first (``dbo_maybe_run_recv_hook``) and sends. Every rank runs the same sequence of
-sends, so the collectives of the two micro-batches line up across ranks as under two-batch
-overlap. Outside a DBO step the three functions do nothing, so a dispatcher calls them
-unconditionally.
+The hand-over the layers see (the micro-batch context and the dispatchers' yield and receive
+hooks) is ``srt.layers.overlap.ubatch_context``; this module runs the threads. Every rank runs
+the same sequence of sends, so the collectives of the two micro-batches line up across ranks as
+under two-batch overlap.
 
 ``UBatchWrapper`` wraps a model ``(input_ids, positions, batch) → hidden``: on a batch whose
-step runs DBO (``batch.dbo``, with the two children of ``batch.tbo_children``) it runs the model
+step runs DBO (``batch.split``, with the two children of ``batch.tbo_children``) it runs the model
 once per child, each in its worker thread (two threads, started once and reused), and joins
 them; any other batch goes straight to the model. It needs nothing from the model.
 """
@@ -28,143 +25,13 @@ from typing import Any
 
 import torch
 
+from srt.layers.overlap.ubatch_context import (
+    NUM_UBATCHES,
+    UBatchContext,
+    end_step,
+    make_ubatch_contexts,
+)
 from srt.utils import sync_guard
-
-NUM_UBATCHES = 2
-_local = threading.local()  # .context: the UBatchContext of this thread while it runs one
-
-
-class _Baton:
-    """The turn between the contexts of one step: a lock per context, held while it is not
-    that context's turn. Only the holder of the turn touches ``done``."""
-
-    def __init__(self, n: int):
-        self._wake = [threading.Lock() for _ in range(n)]
-        for lock in self._wake:
-            lock.acquire()
-        self.done = [False] * n
-        self.num_yields = 0
-        self.contexts: list[UBatchContext] = []
-
-    def _next(self, index: int) -> int | None:
-        n = len(self.done)
-        others = [(index + k) % n for k in range(1, n)]
-        return next((j for j in others if not self.done[j]), None)
-
-    def give(self, index: int) -> None:
-        self._wake[index].release()
-
-    def wait(self, index: int) -> None:
-        self._wake[index].acquire()
-
-    def pass_turn(self, index: int) -> None:
-        other = self._next(index)
-        if other is None:  # the others have finished: run on
-            return
-        self.num_yields += 1
-        self.give(other)
-        self.wait(index)
-
-    def finish(self, index: int) -> None:
-        self.done[index] = True
-        other = self._next(index)
-        if other is not None:
-            self.give(other)
-
-
-class UBatchContext:
-    """One micro-batch of a DBO step: its forward batch, its place in the hand-over, the
-    receive hook the other micro-batch left for it, and on CUDA its stream. Made only by
-    ``make_ubatch_contexts``."""
-
-    def __init__(self, index: int, batch: Any, baton: _Baton, stream: Any = None):
-        self.index = index
-        self.forward_batch = batch
-        self.stream = stream  # torch.cuda.Stream on CUDA, else None
-        self.recv_hook: Callable[[], None] | None = None
-        self._baton = baton
-
-    @property
-    def track(self) -> str:
-        """Its name in operation timelines."""
-        return f"u{self.index}"
-
-    def yield_(self) -> None:
-        self._baton.pass_turn(self.index)
-
-    def __enter__(self) -> UBatchContext:
-        self._baton.wait(self.index)  # the first context starts with the turn
-        _local.context = self
-        return self
-
-    def peer(self) -> UBatchContext:
-        contexts = self._baton.contexts
-        return contexts[(self.index + 1) % len(contexts)]
-
-    def __exit__(self, exc_type, *exc) -> None:
-        try:
-            if exc_type is None:
-                dbo_maybe_run_recv_hook()  # a wait left for us after our last exchange
-        finally:
-            _local.context = None
-            self._baton.finish(self.index)
-
-
-def make_ubatch_contexts(batches: list[Any], device: torch.device) -> list[UBatchContext]:
-    """The contexts of one DBO step, one per micro-batch, the first one's turn first. On CUDA
-    each gets a stream of its own (from the stream pool)."""
-    if len(batches) != NUM_UBATCHES:
-        raise ValueError(
-            f"dual-batch overlap runs {NUM_UBATCHES} micro-batches, not {len(batches)}"
-        )
-    baton = _Baton(len(batches))
-    cuda = device.type == "cuda"
-    baton.contexts = [
-        UBatchContext(i, b, baton, torch.cuda.Stream(device) if cuda else None)
-        for i, b in enumerate(batches)
-    ]
-    baton.give(0)
-    return baton.contexts
-
-
-def current_context() -> UBatchContext | None:
-    return getattr(_local, "context", None)
-
-
-def dbo_enabled() -> bool:
-    return current_context() is not None
-
-
-def dbo_yield() -> None:
-    """Hand the turn to the other micro-batch and sleep until it hands it back."""
-    ctx = current_context()
-    if ctx is not None:
-        ctx.yield_()
-
-
-def dbo_register_recv_hook(hook: Callable[[], None] | None) -> None:
-    """Leave ``hook`` (the receive half of an exchange just sent) to the next micro-batch, which
-    runs it at its next ``dbo_maybe_run_recv_hook``. On CUDA the hook runs on this micro-batch's
-    stream (a stream-level wait must hold back this micro-batch's work, not the other's)."""
-    ctx = current_context()
-    if ctx is None or hook is None:
-        return
-    if ctx.stream is not None:
-        stream, inner = ctx.stream, hook
-
-        def hook() -> None:
-            with torch.cuda.stream(stream):
-                inner()
-
-    ctx.peer().recv_hook = hook
-
-
-def dbo_maybe_run_recv_hook() -> None:
-    """Run the receive hook the other micro-batch left here, if any."""
-    ctx = current_context()
-    if ctx is not None and ctx.recv_hook is not None:
-        hook, ctx.recv_hook = ctx.recv_hook, None
-        hook()
 
 
 class _ThreadSetup:
@@ -259,10 +126,7 @@ class UBatchThreads:
             if ctx.stream is not None:
                 main.wait_stream(ctx.stream)
         self.num_steps += 1
-        self.num_yields += contexts[0]._baton.num_yields
-        for ctx in contexts:  # a hook left for a context that had ended: nobody runs it now
-            ctx.recv_hook = None
-        contexts[0]._baton.contexts = []  # the contexts and their baton refer to each other
+        self.num_yields += end_step(contexts)
         errors = [out for out in outs if isinstance(out, BaseException)]
         if errors:
             raise errors[0]
@@ -300,7 +164,7 @@ class UBatchWrapper:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         children = batch.tbo_children
-        if not getattr(batch, "dbo", False) or not children:
+        if batch.split.mode != "dbo" or not children:
             return self.model(input_ids, positions, batch)
         return torch.cat(self.run(children))
 

@@ -23,7 +23,7 @@ Design
   over the world. nccl collectives are full duplex already, so it is not created there.
 - ``moe_ep_combine``: with single-batch overlap on nccl, an EP device group of its own for the
   blocked combine, on a high-priority stream and limited to ``sbo_combine_ctas`` CTAs (one per
-  SM): the communication side of SBO's SM split (``srt.batch_overlap.single_batch_overlap``).
+  SM): the communication side of SBO's SM split (``srt.layers.overlap.single_batch_overlap``).
 - No module-level state: :func:`init_parallel_state` returns a :class:`ParallelState` that is
   passed to whoever needs it, and ``destroy()`` releases its groups. The pure layout lives in
   :class:`ParallelConfig`, testable without processes.

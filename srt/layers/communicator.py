@@ -22,10 +22,10 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from srt.batch_overlap.operations import LayerState
 from srt.distributed.communication_op import all_reduce
 from srt.layers.dp_attention import attn_tp_all_gather, attn_tp_chunk, dp_gather, dp_scatter
 from srt.layers.layernorm import RMSNorm
+from srt.layers.overlap.operations import LayerState
 
 if TYPE_CHECKING:
     from srt.distributed.parallel_state import ParallelState

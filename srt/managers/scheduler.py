@@ -445,17 +445,13 @@ class Scheduler:
     def _overlap_step_counts(self) -> dict:
         """Forwards run with and without two-batch overlap, and with single-batch and dual-batch
         overlap, by local forward mode (a DBO step counts as a non-TBO one too)."""
-        counts = getattr(self.model_runner, "forward_step_counts", {})
-        dbo = dict(getattr(self.model_runner, "dbo_step_counts", {}))
-        out = {
-            "num_tbo_steps": {},
-            "num_non_tbo_steps": {},
-            "num_sbo_steps": {},
-            "num_dbo_steps": dbo,
-        }
-        for (tbo, sbo, mode), n in sorted(counts.items()):
-            by_tbo = out["num_tbo_steps" if tbo else "num_non_tbo_steps"]
-            by_tbo[mode] = by_tbo.get(mode, 0) + n
-            if sbo:
-                out["num_sbo_steps"][mode] = out["num_sbo_steps"].get(mode, 0) + n
+        counts = getattr(self.model_runner, "step_counts", {})
+        keys = ("num_tbo_steps", "num_non_tbo_steps", "num_sbo_steps", "num_dbo_steps")
+        out: dict[str, dict[str, int]] = {key: {} for key in keys}
+        for (overlap, mode), n in sorted(counts.items()):
+            wheres = ["num_tbo_steps" if overlap == "tbo" else "num_non_tbo_steps"]
+            if overlap in ("sbo", "dbo"):
+                wheres.append(f"num_{overlap}_steps")
+            for where in wheres:
+                out[where][mode] = out[where].get(mode, 0) + n
         return out

@@ -26,11 +26,11 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from srt.batch_overlap.single_batch_overlap import SmSplit
 from srt.distributed.communication_op import broadcast_object
 from srt.distributed.group_coordinator import GroupCoordinator
 from srt.distributed.heartbeat import PeerHeartbeat
 from srt.distributed.parallel_state import ParallelState, init_parallel_state
+from srt.layers.overlap.single_batch_overlap import SmSplit
 from srt.managers.io_struct import (
     AbortReq,
     DpLoadReport,

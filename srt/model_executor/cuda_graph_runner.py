@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt.batch_overlap.step_split import plan_split, settle_split
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -112,11 +113,14 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
         )
-        r.plan_two_batch_overlap(batch)
-        batch.sbo = r.step_overlap.mode == "sbo"  # a fixed mode (graphs are off under auto)
+        proposal = plan_split(batch, r.split_config)
+        mode = r.step_overlap.fixed_mode(proposal is not None)  # graphs are off under auto
         if r.dp_attention:  # every group at this bucket: the agreement of such a step
-            rows = [SyncRow.of(batch)] * r.parallel.attn_dp_size
-            apply_dp_sync(batch, dp_sync_info(rows, r.parallel.attn_tp_size))
+            rows = [SyncRow.of(batch, proposal)] * r.parallel.attn_dp_size
+            info = dp_sync_info(rows, r.parallel.attn_tp_size, r.split_config.rule)
+            apply_dp_sync(batch, info, settle_split(mode, batch, proposal, info.split_tokens))
+        else:
+            batch.split = settle_split(mode, batch, proposal)
         r.prepare_forward(batch)
         return batch
 
@@ -151,8 +155,8 @@ class CudaGraphRunner:
         self._fill(batch, n, bs)
         out = graph.run()
         self.num_replays += 1
-        if batch is not None:
-            batch.can_run_tbo, batch.sbo = graph.batch.can_run_tbo, graph.batch.sbo
+        if batch is not None:  # the bucket's plan ran (its split point is the bucket's)
+            batch.split = graph.batch.split.child()
         return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
 
     def _fill(self, batch: ForwardBatch | None, n: int, bs: int) -> None:

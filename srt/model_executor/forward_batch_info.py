@@ -6,9 +6,9 @@ two micro-batches alive at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -40,6 +40,40 @@ class ForwardMode(IntEnum):
 
     def is_decode_or_idle(self) -> bool:
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+
+SPLIT_MODES = ("tbo", "dbo")  # the overlaps that run a step as two micro-batches
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """How one step overlaps its communication, and where its batch splits: the one value the
+    planner proposes (``srt.batch_overlap.step_split.plan_split``), the DP sync agrees on,
+    ``StepOverlap`` settles, and the runner, the graph runner, the model and the executors read.
+
+    ``mode``: "off", "sbo" (one batch), or "tbo" / "dbo" (two micro-batches). A split mode
+    also says where: ``seq_index``, the first sequence of micro-batch B (with a cut, the
+    sequence that is cut), ``token_index``, its first token, and under DP attention
+    ``group_tokens``, every group's micro-batch A tokens. A micro-batch carries its parent's
+    mode with no split point (``child``)."""
+
+    mode: str = "off"
+    seq_index: int = 0
+    token_index: int = 0
+    group_tokens: tuple[int, ...] | None = None
+
+    @property
+    def is_split(self) -> bool:
+        return self.mode in SPLIT_MODES
+
+    def with_mode(self, mode: str) -> StepSplit:
+        return replace(self, mode=mode)
+
+    def child(self) -> StepSplit:
+        return StepSplit(self.mode)
+
+
+NO_SPLIT = StepSplit()
 
 
 @dataclass
@@ -84,27 +118,17 @@ class ForwardBatch:
     is_extend_in_batch: bool = False
     dp_padding_mode: DpPaddingMode | None = None
     global_dp_buffer_len: int | None = None
-    # Two-batch overlap (``srt.batch_overlap.two_batch_overlap``). On a parent: this rank's
-    # split (None: it cannot split), whether the step runs split (decided once, unanimously
-    # under DP attention), every DP group's first-child tokens, and the two children once
-    # built. On a child: its index (0 = A, 1 = B), its token range in the parent and its
-    # token count rounded up to a multiple of attn_tp_size.
-    tbo_split_seq_index: int | None = None
-    tbo_split_token_index: int | None = None
-    can_run_tbo: bool = False
-    global_tbo_split_tokens_cpu: list[int] | None = None
+    # The step's overlap and split (the same mode on every rank, idle ones too). A split
+    # step's parent holds its two micro-batches once built (TBO interleaves their operations,
+    # DBO runs each in a thread); a micro-batch holds its index (0 = A, 1 = B) and its token
+    # range in the parent.
+    split: StepSplit = NO_SPLIT
     tbo_children: list[ForwardBatch] | None = None
     tbo_subbatch_index: int | None = None
     tbo_parent_token_range: tuple[int, int] | None = None
-    # Single-batch overlap this step (``ModelRunner``: the same on every rank, idle ones too).
-    sbo: bool = False
-    # Dual-batch overlap this step: the children run in threads (``srt.batch_overlap.ubatching``)
-    # with the plain forward, not interleaved by the operation lists; set on them too.
-    dbo: bool = False
-    # An extend batch of an MLA model whose backend expands extend keys: its prompt sequences
-    # as an EXTEND batch (None when there are none) and the one-token sequences after them as
-    # a DECODE one (``split_off_decode_tail``), each with its attention metadata.
-    attn_parts: tuple[ForwardBatch | None, ForwardBatch] | None = None
+    # MLA: an extend batch attending in two parts (``mla_attention_parts``), each with its
+    # attention metadata; None when the batch attends as one.
+    attn_parts: tuple[AttnPart, ...] | None = None
 
     @classmethod
     def idle(
@@ -146,34 +170,52 @@ class ForwardBatch:
         return self.input_ids.device
 
 
-def split_off_decode_tail(batch: ForwardBatch) -> bool:
-    """Set ``batch.attn_parts`` for an extend batch: an EXTEND part (its sequences up to the
-    trailing run of one-token sequences after a prefix; None if that run is all of them) and
-    a DECODE part (that run: in a MIXED batch the running requests decoding in it; else
-    prompts that the radix cache holds but for one token). A one-token extend after a prefix
-    attends exactly as a decode step does, so MLA can attend it on the cached latent rather
-    than expanding its whole history into per-head keys. False (nothing set) when there is no
-    such run."""
+class AttnPart(NamedTuple):
+    """Token rows ``[start, end)`` of a batch that attend one way: ``batch``, the part as a
+    batch of its own (with its own attention metadata), and for MLA whether it attends
+    ``absorbed`` (MQA over the cached latent) or expands per-head keys and values."""
+
+    batch: ForwardBatch
+    start: int
+    end: int
+    absorbed: bool
+
+
+def mla_attention_parts(
+    batch: ForwardBatch, absorbed_extend: bool, split: bool = True
+) -> tuple[AttnPart, ...]:
+    """MLA's attention form, decided here only. Decode attends absorbed, and so does extend on
+    a backend that reads the latent in place (``absorbed_extend``). Otherwise extend expands
+    per-head keys, except (``split``) its trailing run of one-token sequences after a prefix:
+    in a MIXED batch the running requests decoding in it, else prompts that the radix cache
+    holds but for one token. Such a row attends exactly as a decode step does, so that run
+    becomes a DECODE part attending absorbed, rather than expanding its whole history, and the
+    sequences before it (if any) an EXTEND part."""
+    whole = AttnPart(
+        batch, 0, batch.num_tokens, absorbed_extend or not batch.forward_mode.is_extend()
+    )
+    if whole.absorbed or not split:
+        return (whole,)
     prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
     first = batch.batch_size
     while first > 0 and new[first - 1] == 1 and prefix[first - 1] > 0:
         first -= 1
     if first == batch.batch_size:
-        return False
+        return (whole,)
     token = sum(new[:first])
-    extend = None
-    if first:
-        extend = slice_forward_batch(
-            batch, ForwardMode.EXTEND, (0, token), (0, first),
-            attn_backend=batch.attn_backend,
-            extend_prefix_lens_cpu=prefix[:first], extend_seq_lens_cpu=new[:first],
-        )  # fmt: skip
     decode = slice_forward_batch(
         batch, ForwardMode.DECODE, (token, batch.num_tokens), (first, batch.batch_size),
         attn_backend=batch.attn_backend,
     )  # fmt: skip
-    batch.attn_parts = (extend, decode)
-    return True
+    parts = (AttnPart(decode, token, batch.num_tokens, True),)
+    if not first:
+        return parts
+    extend = slice_forward_batch(
+        batch, ForwardMode.EXTEND, (0, token), (0, first),
+        attn_backend=batch.attn_backend,
+        extend_prefix_lens_cpu=prefix[:first], extend_seq_lens_cpu=new[:first],
+    )  # fmt: skip
+    return (AttnPart(extend, 0, token, False), *parts)
 
 
 def slice_forward_batch(

@@ -6,13 +6,16 @@ vocabulary, expert slices) and a KV pool of its local heads (MLA: the full laten
 agree on the pool size (the minimum over ranks), so their schedulers stay in lock-step.
 
 ``forward_step`` is the one entry for a step, used by the scheduler, bench_one_batch and the
-tests: it plans two-batch overlap for this rank's batch (where it would split); under DP
-attention it runs the MLP sync (``srt.model_executor.dp_sync``; every rank, every step, with or
-without a batch), which makes the split decision unanimous, and applies it to the batch, or
-runs an IDLE forward when only other groups have work so that the MoE and LM-head collectives
-line up. Without DP attention every rank runs the same batch and its own plan decides.
-``forward`` then runs one prepared batch: it builds the two children of a split batch and the
-model runs its MoE layers on them interleaved."""
+tests: it plans this rank's split (``plan_split``: where its batch would split into two
+micro-batches under TBO or DBO); under DP attention it runs the MLP sync
+(``srt.model_executor.dp_sync``; every rank, every step, with or without a batch), which makes
+the split decision unanimous, or runs an IDLE forward when only other groups have work so that
+the MoE and LM-head collectives line up. Without DP attention every rank runs the same batch
+and its own plan decides. ``StepOverlap`` then chooses the step's mode and the batch gets its
+``StepSplit`` (``settle_split``), which everything after reads. ``forward`` runs one prepared
+batch: it builds the two micro-batches of a split step, and the model runs them through the
+executors given to it here (``srt.batch_overlap``: TBO's interleaved operations, DBO's
+threads)."""
 
 from __future__ import annotations
 
@@ -24,16 +27,17 @@ from collections import Counter
 import torch
 
 from srt.batch_overlap.calibration import calibrate
-from srt.batch_overlap.dual_batch_overlap import DboConfig, plan_dual_batch_overlap
-from srt.batch_overlap.operations import OperationObserver
 from srt.batch_overlap.step_overlap import StepOverlap
-from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
+from srt.batch_overlap.step_split import SplitConfig, plan_split, settle_split
+from srt.batch_overlap.two_batch_overlap import run_layers_overlapped, with_children
+from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
 from srt.layers import cpu_kernels
 from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.overlap.operations import OperationObserver
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
@@ -41,9 +45,9 @@ from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.model_executor.forward_batch_info import (
+    AttnPart,
     ForwardBatch,
-    ForwardMode,
-    split_off_decode_tail,
+    mla_attention_parts,
 )
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
@@ -54,8 +58,6 @@ from srt.utils.process import keep_heap_pages
 from srt.utils.sync_guard import forbid_host_sync
 
 logger = logging.getLogger(__name__)
-
-SPLIT = ("tbo", "dbo")  # the overlaps that run a step as two micro-batches
 
 
 def available_memory_bytes(device: str) -> int:
@@ -105,22 +107,24 @@ class ModelRunner:
         self._init_memory_pools()
         if self.device.type == "cpu":
             keep_heap_pages()  # activations reuse pages instead of faulting in fresh ones
-        self.tbo_config = TboConfig.from_server_args(server_args)
-        self.dbo_config = DboConfig.from_server_args(server_args)
+        self.split_config = SplitConfig.from_server_args(server_args)
+        self._init_split_executors()
         self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
         weights = DecodeWeights.of(self.model)
         self.weight_bytes = weights.dense_bytes + weights.expert_bytes
         self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
-        # forwards run, by (two-batch overlap?, single-batch overlap?, local mode)
-        self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
-        self.dbo_step_counts: Counter[str] = Counter()  # dual-batch overlap steps, by mode
+        # forwards run, by (overlap mode: off / tbo / sbo / dbo, local forward mode)
+        self.step_counts: Counter[tuple[str, str]] = Counter()
         self.step_overlap = StepOverlap(
             server_args.overlap_mode, server_args.overlap_modes, self.model.comm_meter, self.device
         )
         self.dp_attention = server_args.enable_dp_attention
         self.last_dp_sync: DpSyncInfo | None = None  # DP attention: the last step's agreement
         self.num_idle_forward_steps = 0
+        # MLA: attend a MIXED batch's decoding rows on the latent (``mla_attention_parts``);
+        # the mixed-step benchmark turns it off to measure the expanded form.
+        self.split_mla_decode_tail = True
         # Fail any host synchronisation inside ``forward`` (``srt.utils.sync_guard``): the tests
         # set it, on CPU too, to keep the step device-resident and capturable.
         self.forbid_host_sync = os.environ.get("SRT_FORBID_HOST_SYNC") == "1"
@@ -132,6 +136,12 @@ class ModelRunner:
         if self._can_capture_graphs():
             self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
 
+    def _init_split_executors(self) -> None:
+        """Hand the model the executors of a step split in two micro-batches (models import
+        none): TBO's interleaved operations for its overlapped layers, DBO's threads."""
+        self.model.model.run_layers_overlapped = run_layers_overlapped
+        self.model.run_body = self.ubatches = UBatchWrapper(self.model.model)
+
     def _init_attention_backend(self) -> None:
         """``--attention-backend`` (resolved by ServerArgs), wrapped for two-batch overlap."""
         if self.server_args.attention_backend == "triton":
@@ -141,9 +151,9 @@ class ModelRunner:
         else:
             in_kernels = self.device.type == "cpu" and cpu_kernels.available()
             create = lambda: TorchNativeAttnBackend(in_kernels)
-        if self.dbo_config.enabled:  # the children attend, never the whole batch
+        if self.split_config.rule == "dbo":  # the children attend, never the whole batch
             self.attn_backend = TboAttnBackend.init_new(create, parent_attends_when_split=False)
-        elif self.tbo_config.enabled:
+        elif self.split_config.rule == "tbo":
             self.attn_backend = TboAttnBackend.init_new(
                 create, parent_attends_when_split=self.model.model.tbo_start_layer > 0
             )
@@ -159,7 +169,7 @@ class ModelRunner:
         why_not = [
             (not self.attn_backend.static_decode_metadata, "--attention-backend torch_native"),
             (self.step_overlap.policy is not None, "--overlap-mode auto"),
-            (self.dbo_config.enabled, "--enable-dbo (its steps run eagerly)"),
+            (self.split_config.rule == "dbo", "--enable-dbo (its steps run eagerly)"),
             (
                 sa.moe_a2a_backend == "torch" and sa.deepep_mode == "normal",
                 "--deepep-mode normal (its all-to-all sizes are host values: low_latency or "
@@ -175,14 +185,6 @@ class ModelRunner:
         """Wrap every layer operation in a profiler marker (and, with ``observer.record``,
         time it); None turns it off."""
         self.model.model.operation_observer = observer
-
-    def plan_two_batch_overlap(self, forward_batch: ForwardBatch) -> None:
-        """This rank's split proposal: dual-batch overlap's rule under --enable-dbo, else
-        two-batch overlap's."""
-        if self.dbo_config.enabled:
-            plan_dual_batch_overlap(forward_batch, self.dbo_config)
-        else:
-            plan_two_batch_overlap(forward_batch, self.tbo_config)
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
@@ -249,25 +251,24 @@ class ModelRunner:
         """One step of this rank (see the module docstring). Returns the batch's logits, the
         0-row output of an IDLE forward, or None when nothing ran (no batch here, and under DP
         attention none anywhere)."""
-        if forward_batch is not None:
-            self.plan_two_batch_overlap(forward_batch)
+        proposal = None if forward_batch is None else plan_split(forward_batch, self.split_config)
         overlap = self.step_overlap
         if not self.dp_attention:
             if forward_batch is None:
                 return None
             shared = overlap.share(self.parallel)
             mode, tokens = forward_batch.forward_mode, forward_batch.num_tokens
-            if overlap.choose(mode, tokens, forward_batch.can_run_tbo, shared) not in SPLIT:
-                forward_batch.can_run_tbo = False
+            chosen = overlap.choose(mode, tokens, proposal is not None, shared)
+            forward_batch.split = settle_split(chosen, forward_batch, proposal)
             return self.forward(forward_batch)
         info = self.last_dp_sync = sync_dp_batch(
-            self.parallel, forward_batch, overlap.measurement, self.dbo_config.enabled
+            self.parallel, forward_batch, proposal, overlap.measurement, self.split_config.rule
         )
         mode, tokens = info.global_forward_mode, max(info.global_num_tokens)
-        if overlap.choose(mode, tokens, info.can_run_tbo, info.max_extra) not in SPLIT:
-            info.can_run_tbo, info.tbo_split_tokens = False, None
+        chosen = overlap.choose(mode, tokens, info.can_split, info.max_extra)
         if forward_batch is not None:
-            apply_dp_sync(forward_batch, info)
+            split = settle_split(chosen, forward_batch, proposal, info.split_tokens)
+            apply_dp_sync(forward_batch, info, split)
         elif info.all_idle:
             return None
         else:
@@ -278,14 +279,15 @@ class ModelRunner:
             return self._replay(forward_batch, bucket)
         if forward_batch is not None:
             return self.forward(forward_batch)
-        return self._forward_idle(info)
+        return self._forward_idle(info, chosen)
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """One prepared batch (planned, and synced under DP attention): ``forward_step``."""
         mode = forward_batch.forward_mode.name
-        with self._sync_guard(), stream_trace.forward_step(
-            mode, forward_batch.batch_size, forward_batch.num_tokens
+        with (
+            self._sync_guard(),
+            stream_trace.forward_step(mode, forward_batch.batch_size, forward_batch.num_tokens),
         ):
             return self._forward(forward_batch)
 
@@ -297,13 +299,10 @@ class ModelRunner:
         with self._sync_guard():
             out = self.graph_runner.replay(forward_batch, bucket)
         graph = self.graph_runner.graphs[bucket].batch
-        mode = "decode" if forward_batch else "idle"
-        self.forward_step_counts[(graph.can_run_tbo, graph.sbo, mode)] += 1
+        self.step_counts[(graph.split.mode, "decode" if forward_batch else "idle")] += 1
         return out
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        forward_batch.sbo = self.step_overlap.mode == "sbo"
-        forward_batch.dbo = self.step_overlap.mode == "dbo" and forward_batch.can_run_tbo
         graphs = self.graph_runner
         if graphs is not None and not self.dp_attention and graphs.can_run(forward_batch):
             out = graphs.replay(forward_batch)
@@ -312,15 +311,11 @@ class ModelRunner:
             self.step_overlap.start()
             out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             self.step_overlap.finish()
-        mode = forward_batch.forward_mode.name.lower()
-        tbo = forward_batch.can_run_tbo and not forward_batch.dbo
-        self.forward_step_counts[(tbo, forward_batch.sbo, mode)] += 1
-        if forward_batch.dbo:
-            self.dbo_step_counts[mode] += 1
+        self.step_counts[(forward_batch.split.mode, forward_batch.forward_mode.name.lower())] += 1
         return out
 
     def prepare_forward(self, forward_batch: ForwardBatch) -> None:
-        """Everything a planned batch needs before the model runs on it: its TBO children,
+        """Everything a planned batch needs before the model runs on it: its micro-batches,
         the attention backend and its metadata (and the CPU threads for its kind of step)."""
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
@@ -330,30 +325,27 @@ class ModelRunner:
                 forward_batch.batch_size,
                 forward_batch.num_tokens,
             )
-        if self._splits_decode_tail(forward_batch) and split_off_decode_tail(forward_batch):
-            for part in forward_batch.attn_parts:
-                if part is not None:
-                    self.attn_backend.init_forward_metadata(part)
-        else:
-            self.attn_backend.init_forward_metadata(forward_batch)
+        parts = self._attention_parts(forward_batch)
+        forward_batch.attn_parts = parts if len(parts) > 1 else None
+        for part in parts:
+            self.attn_backend.init_forward_metadata(part.batch)
 
-    def _splits_decode_tail(self, forward_batch: ForwardBatch) -> bool:
-        """MLA expanding its extend keys (``DeepseekV2MLA``) attends an extend batch's
-        one-token sequences (a MIXED batch's decoding requests) on the cached latent, as a
-        decode step, and only its prompts expanded; not in a step split into micro-batches
-        (their own metadata comes from the whole batch's backend call)."""
-        return (
-            forward_batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
-            and self.model_config.is_mla
-            and not self.attn_backend.absorbed_mla_extend
-            and not forward_batch.tbo_children
-        )
+    def _attention_parts(self, forward_batch: ForwardBatch) -> tuple[AttnPart, ...]:
+        """How the batch attends: in parts for MLA (``mla_attention_parts``; not in a step split
+        into micro-batches, whose metadata comes from the whole batch's backend call), else
+        whole."""
+        whole = (AttnPart(forward_batch, 0, forward_batch.num_tokens, False),)
+        if not self.model_config.is_mla or forward_batch.tbo_children:
+            return whole
+        absorbed = self.attn_backend.absorbed_mla_extend
+        return mla_attention_parts(forward_batch, absorbed, self.split_mla_decode_tail)
 
-    def _forward_idle(self, info: DpSyncInfo) -> LogitsProcessorOutput:
+    def _forward_idle(self, info: DpSyncInfo, mode: str) -> LogitsProcessorOutput:
         """DP attention, this group without a batch: run the model on 0 tokens so that every
-        collective of the step has this rank in it. The output has 0 rows."""
+        collective of the step has this rank in it, in the step's overlap ``mode``. The output
+        has 0 rows."""
         batch = ForwardBatch.idle(self.req_to_token_pool, self.token_to_kv_pool, self.device)
-        apply_dp_sync(batch, info)
+        apply_dp_sync(batch, info, settle_split(mode, batch, None, info.split_tokens))
         return self.forward(batch)
 
     @torch.inference_mode()

@@ -3,32 +3,30 @@ MLP, exposed as a list of operations."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import (
-    LayerState,
-    OperationItem,
-    OperationObserver,
-    execute_operations,
-)
-from srt.batch_overlap.operations_strategy import (
-    OperationsFamily,
-    OperationsStrategy,
-    layer_operations,
-)
-from srt.batch_overlap.two_batch_overlap import run_layers_overlapped
-from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.communication_op import all_reduce
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.moe.moe_block import SparseMoeBlock
+from srt.layers.overlap.operations import (
+    LayerState,
+    OperationItem,
+    OperationObserver,
+    execute_operations,
+)
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from srt.model_loader.weight_utils import WeightMapping, load_weights_by_mapping
 from srt.models.model_context import ModelContext, ModelOptions
+from srt.models.operations_strategy import (
+    OperationsFamily,
+    OperationsStrategy,
+    layer_operations,
+)
+from srt.models.weight_mapping import WeightMapping, load_weights_by_mapping
 
 
 class MoEDecoderLayer(nn.Module):
@@ -54,8 +52,8 @@ class MoEDecoderLayer(nn.Module):
         self.comm = ctx.communicator(
             self.input_layernorm, self.post_attention_layernorm, is_moe=self.is_moe
         )
-        # built once per (mode, single-batch overlap?, dual-batch overlap?)
-        self._operations: dict[tuple[ForwardMode, bool, bool], list[OperationItem]] = {}
+        # built once per (forward mode, overlap mode)
+        self._operations: dict[tuple[ForwardMode, str], list[OperationItem]] = {}
 
     @property
     def is_moe(self) -> bool:
@@ -87,11 +85,11 @@ class MoEDecoderLayer(nn.Module):
         return op
 
     def get_operations(
-        self, forward_mode: ForwardMode, sbo: bool = False, dbo: bool = False
+        self, forward_mode: ForwardMode, overlap: str = "off"
     ) -> list[OperationItem]:
-        key = (forward_mode, sbo, dbo)
+        key = (forward_mode, overlap)
         if key not in self._operations:
-            self._operations[key] = layer_operations(self, forward_mode, sbo, dbo).operations
+            self._operations[key] = layer_operations(self, forward_mode, overlap).operations
         return self._operations[key]
 
     def forward(
@@ -104,7 +102,7 @@ class MoEDecoderLayer(nn.Module):
     ):
         state = LayerState(batch, positions)
         state.put(hidden_states=hidden_states, residual=residual)
-        ops = self.get_operations(strategy_mode(batch), batch.sbo, batch.dbo)
+        ops = self.get_operations(strategy_mode(batch), batch.split.mode)
         execute_operations(state, ops, observer)
         return state.take_outputs("hidden_states", "residual")
 
@@ -133,6 +131,9 @@ class MoEModel(nn.Module):
             (i for i, layer in enumerate(self.layers) if layer.is_moe), len(self.layers)
         )
         self.operation_observer: OperationObserver | None = None  # set by the ModelRunner
+        # Two-batch overlap's executor for the layers from tbo_start_layer, given by the
+        # ModelRunner (``srt.batch_overlap.two_batch_overlap``): models import no executor.
+        self.run_layers_overlapped: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._tbo_strategies: dict[ForwardMode, OperationsStrategy] = {}  # built once per mode
 
     def tbo_strategy(self, mode: ForwardMode) -> OperationsStrategy:
@@ -146,12 +147,16 @@ class MoEModel(nn.Module):
         # Each rank embeds the ids of its vocabulary shard (zeros elsewhere): sum them.
         hidden = all_reduce(self.attn_tp_group, self.embed_tokens(input_ids))
         residual, observer = None, self.operation_observer
-        end = self.tbo_start_layer if batch.tbo_children else len(self.layers)
+        interleaved = batch.split.mode == "tbo" and batch.tbo_children is not None
+        end = self.tbo_start_layer if interleaved else len(self.layers)
         for layer in self.layers[:end]:
             hidden, residual = layer(positions, hidden, residual, batch, observer)
         if end < len(self.layers):
+            if self.run_layers_overlapped is None:
+                raise RuntimeError("a two-batch-overlap step needs the ModelRunner's executor")
             strategy = self.tbo_strategy(strategy_mode(batch))
-            hidden, residual = run_layers_overlapped(strategy, hidden, residual, batch, observer)
+            run = self.run_layers_overlapped
+            hidden, residual = run(strategy, hidden, residual, batch, observer)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
@@ -159,8 +164,9 @@ class MoECausalLM(nn.Module):
     """``model`` (MoEModel of ``layer_cls``) + LM head. Subclasses set ``layer_cls`` and
     ``weight_mapping``; parameter names follow the HF checkpoints. ``parallel``: this rank's
     groups (default: one rank, no torch.distributed); ``options``: the server flags that shape
-    the model (default: ModelOptions()). ``ubatches`` runs ``model``, once per micro-batch in
-    threads on a dual-batch-overlap step; the LM head runs on the whole batch."""
+    the model (default: ModelOptions()). ``run_body``, given by the ModelRunner, runs ``model``
+    (``srt.batch_overlap.ubatching.UBatchWrapper``: once per micro-batch, in threads, on a
+    dual-batch-overlap step); the LM head runs on the whole batch."""
 
     layer_cls: type[MoEDecoderLayer]
 
@@ -171,7 +177,7 @@ class MoECausalLM(nn.Module):
         self.config = config
         ctx = ModelContext(parallel, options)
         self.model = MoEModel(config, self.layer_cls, ctx)
-        self.ubatches = UBatchWrapper(self.model)
+        self.run_body: Callable[..., torch.Tensor] | None = None  # None: ``model`` itself
         self.lm_head, self.logits_processor = ctx.lm_head(config.vocab_size, config.hidden_size)
         self.comm_meter = ctx.comm_meter
         # A tied LM head shares the embedding's parameter when both have the same shard.
@@ -182,7 +188,7 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> LogitsProcessorOutput:
-        hidden = self.ubatches(input_ids, positions, batch)
+        hidden = (self.run_body or self.model)(input_ids, positions, batch)
         return self.logits_processor(hidden, self.lm_head, batch)
 
     def weight_mapping(self) -> WeightMapping:

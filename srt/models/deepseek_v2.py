@@ -6,21 +6,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState
-from srt.batch_overlap.operations_strategy import DEEPSEEK
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from srt.layers.moe.moe_block import MoEGate
 from srt.layers.moe.topk import TopKConfig
+from srt.layers.overlap.operations import LayerState
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import (
     RotaryEmbedding,
     rope_parameters,
     yarn_softmax_scale_factor,
 )
-from srt.model_loader.weight_utils import WeightMapping
+from srt.model_executor.forward_batch_info import AttnPart, mla_attention_parts
 from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 from srt.models.model_context import ModelContext
+from srt.models.operations_strategy import DEEPSEEK
+from srt.models.weight_mapping import WeightMapping
 
 
 class DeepseekV2MLA(nn.Module):
@@ -102,11 +103,6 @@ class DeepseekV2MLA(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat((k_nope, k_pe), dim=-1), value
 
-    def _expands(self, batch) -> bool:
-        """Extend expands per-head keys and values, unless the attention backend runs it
-        absorbed (the Triton kernels read the latent in place)."""
-        return batch.forward_mode.is_extend() and not batch.attn_backend.absorbed_mla_extend
-
     def op_prepare_attn(self, state: LayerState) -> None:
         x = state.pop("attn_input")
         if self.q_lora_rank is None:
@@ -120,22 +116,24 @@ class DeepseekV2MLA(nn.Module):
         kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
         k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
-        batch = state.batch
-        if batch.attn_parts is not None:  # prompts expanded, one-token rows absorbed
-            cut = self._cut(batch)
-            expanded = torch.cat((q_nope[:cut], q_pe[:cut]), dim=-1) if cut else None
-            q = (expanded, self._absorbed_query(q_nope[cut:], q_pe[cut:]))
-        elif self._expands(batch):
-            q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
-        else:
-            q = self._absorbed_query(q_nope, q_pe)
-        state.put(attn_intermediate=(q, k, kv_a))
+        queries = [
+            self._query(q_nope[p.start : p.end], q_pe[p.start : p.end], p.absorbed)
+            for p in self._parts(state.batch)
+        ]
+        state.put(attn_intermediate=(queries, k, kv_a))
 
     @staticmethod
-    def _cut(batch) -> int:
-        """The first token of ``batch.attn_parts``' DECODE part."""
-        extend = batch.attn_parts[0]
-        return 0 if extend is None else extend.num_tokens
+    def _parts(batch) -> tuple[AttnPart, ...]:
+        """How the batch attends (``mla_attention_parts``; the ModelRunner splits a batch in
+        parts when it builds the attention metadata)."""
+        absorbed = batch.attn_backend.absorbed_mla_extend
+        return batch.attn_parts or mla_attention_parts(batch, absorbed, split=False)
+
+    def _query(self, q_nope: torch.Tensor, q_pe: torch.Tensor, absorbed: bool) -> torch.Tensor:
+        """[T, H, nope], [T, H, rope] → [T, H, L + rope] absorbed, else [T, H, nope + rope]."""
+        if absorbed:
+            return self._absorbed_query(q_nope, q_pe)
+        return torch.cat((q_nope, q_pe), dim=-1)
 
     def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """[T, H, nope], [T, H, rope] → [T, H, L + rope]: ``W_UK`` absorbed into the query."""
@@ -144,17 +142,12 @@ class DeepseekV2MLA(nn.Module):
         return torch.cat((q_latent, q_pe), dim=-1)
 
     def op_core_attn(self, state: LayerState) -> None:
-        q, k, v = state.pop("attn_intermediate")
-        batch = state.batch
-        if batch.attn_parts is not None:
-            (extend, decode), cut = batch.attn_parts, self._cut(batch)
-            out = self._absorbed_attn(q[1], k[cut:], v[cut:], decode)
-            if extend is not None:
-                out = torch.cat((self.attn_mha(q[0], k[:cut], v[:cut], extend), out))
-        elif self._expands(batch):
-            out = self.attn_mha(q, k, v, batch)
-        else:
-            out = self._absorbed_attn(q, k, v, batch)
+        queries, k, v = state.pop("attn_intermediate")
+        outs = []
+        for q, p in zip(queries, self._parts(state.batch)):
+            attend = self._absorbed_attn if p.absorbed else self.attn_mha
+            outs.append(attend(q, k[p.start : p.end], v[p.start : p.end], p.batch))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         state.put(attn_output=self.o_proj(out))
 
     def _absorbed_attn(self, q, k, v, batch) -> torch.Tensor:

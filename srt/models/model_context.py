@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.batch_overlap.single_batch_overlap import default_num_blocks
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.communicator import LayerCommunicator, MlpMode
 from srt.layers.dp_attention import DpRowsGather
@@ -34,6 +33,7 @@ from srt.layers.moe.moe_block import MoEGate, SparseMoeBlock
 from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
 from srt.layers.moe.topk import TopKConfig
+from srt.layers.overlap.single_batch_overlap import default_num_blocks
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.server_args_choices import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 
@@ -42,8 +42,7 @@ from srt.server_args_choices import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 class ModelOptions:
     """``enable_two_batch_overlap`` / ``enable_single_batch_overlap``: the model is built so
     that steps may run that overlap (``--overlap-mode`` tbo / sbo, or auto for both; two
-    micro-batches for dbo too); each step says whether it does (``ForwardBatch.can_run_tbo``
-    / ``sbo`` / ``dbo``)."""
+    micro-batches for dbo too); each step says whether it does (``ForwardBatch.split``)."""
 
     deepep_mode: str = "auto"
     max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState
-from srt.batch_overlap.operations_strategy import QWEN3_MOE
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import QKVParallelLinear, RowParallelLinear
 from srt.layers.moe.moe_block import MoEGate
 from srt.layers.moe.topk import TopKConfig
+from srt.layers.overlap.operations import LayerState
 from srt.layers.radix_attention import RadixAttention
 from srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from srt.model_loader.weight_utils import WeightMapping
 from srt.models.decoder_layer import MoECausalLM, MoEDecoderLayer
 from srt.models.model_context import ModelContext
+from srt.models.operations_strategy import QWEN3_MOE
+from srt.models.weight_mapping import WeightMapping
 
 
 class Qwen3MoeAttention(nn.Module):

@@ -42,8 +42,9 @@ def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict
                 )  # fmt: skip
                 runner = ModelRunner(args, parallel=parallel)
                 out[mode, name, dbo] = run_script(runner, dp)
-                wrapper = runner.model.ubatches
-                out[mode, name, dbo, "dbo"] = (dict(runner.dbo_step_counts), wrapper.num_yields)
+                wrapper = runner.ubatches
+                dbo_steps = {m: n for (o, m), n in runner.step_counts.items() if o == "dbo"}
+                out[mode, name, dbo, "dbo"] = (dbo_steps, wrapper.num_yields)
                 wrapper.close()
         return out
     finally:

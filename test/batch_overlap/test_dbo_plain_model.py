@@ -11,7 +11,7 @@ import torch
 from helpers.run_ranks import run_ranks
 from torch import nn
 
-from srt.batch_overlap.dual_batch_overlap import DboConfig, plan_dual_batch_overlap
+from srt.batch_overlap.step_split import SplitConfig, plan_split, settle_split
 from srt.batch_overlap.two_batch_overlap import with_children
 from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.parallel_state import init_parallel_state
@@ -70,15 +70,15 @@ def make_batch(lens: list[int] | None, extend: bool) -> ForwardBatch | None:
 
 def run_step(model, parallel, lens, extend: bool, dbo: bool):
     batch = make_batch(lens, extend)
-    if batch is not None and dbo:
-        plan_dual_batch_overlap(batch, DboConfig(True, 0, 0))
-    info = sync_dp_batch(parallel, batch, dbo=dbo)
+    config = SplitConfig("dbo" if dbo else None, 0, 0)
+    proposal = None if batch is None else plan_split(batch, config)
+    info = sync_dp_batch(parallel, batch, proposal, split_rule=config.rule)
     if batch is None:
         batch = ForwardBatch.idle(None, None, torch.device("cpu"))
-    apply_dp_sync(batch, info)
-    batch.dbo = dbo and batch.can_run_tbo
+    mode = "dbo" if info.can_split else "off"
+    apply_dp_sync(batch, info, settle_split(mode, batch, proposal, info.split_tokens))
     with_children(batch, parallel.attn_tp_size)
-    return model.ubatches(batch.input_ids, batch.positions, batch), batch.can_run_tbo
+    return model.ubatches(batch.input_ids, batch.positions, batch), batch.split.is_split
 
 
 def plain_worker(rank: int, n: int, init_method: str, mode: str, steps: list) -> list:

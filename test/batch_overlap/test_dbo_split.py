@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from srt.batch_overlap.dual_batch_overlap import (
-    DboConfig,
     agree_dual_batch_overlap,
-    place_split,
-    plan_dual_batch_overlap,
+    split_at_token,
     uniform_split_token,
 )
+from srt.batch_overlap.step_split import SplitConfig, plan_split
 from srt.batch_overlap.two_batch_overlap import split_forward_batch
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.server_args import ServerArgs
@@ -44,16 +43,14 @@ def batch(lens: list[int], extend: bool) -> ForwardBatch:
 )
 def test_thresholds_edges(lens, extend, splits):
     b = batch(lens, extend)
-    plan_dual_batch_overlap(b, DboConfig(enabled=True))
-    assert b.can_run_tbo == splits
+    split = plan_split(b, SplitConfig("dbo"))
+    assert (split is not None) == splits
     if splits:
-        assert b.tbo_split_token_index == b.num_tokens // 2
+        assert split.mode == "dbo" and split.token_index == b.num_tokens // 2
 
 
 def test_off_never_splits():
-    b = batch([1] * 64, False)
-    plan_dual_batch_overlap(b, DboConfig(enabled=False))
-    assert not b.can_run_tbo and b.tbo_split_token_index is None
+    assert plan_split(batch([1] * 64, False), SplitConfig(None)) is None
 
 
 @pytest.mark.parametrize(
@@ -76,27 +73,25 @@ def test_uniform_split_token_is_padding_free():
     assert uniform_split_token([7, 4]) == 3  # vLLM pads to 7 and cuts at 3: 4 - 3 = 1 token left
 
 
-def test_place_split_cuts_a_prompt_where_the_token_falls():
+def test_split_at_token_cuts_a_prompt_where_the_token_falls():
     b = batch([3, 4, 2], True)
-    place_split(b, 5)  # inside the second prompt
-    assert (b.tbo_split_seq_index, b.tbo_split_token_index) == (1, 5)
-    b.can_run_tbo = True
+    b.split = split_at_token(b, 5)  # inside the second prompt
+    assert (b.split.seq_index, b.split.token_index) == (1, 5)
     a, c = split_forward_batch(b, 1)
     assert a.extend_seq_lens_cpu == [3, 2] and c.extend_seq_lens_cpu == [2, 2]
     assert c.extend_prefix_lens_cpu == [4, 2] and a.seq_lens_cpu == [5, 4]
-    place_split(b, 3)  # on a boundary: no cut
-    assert (b.tbo_split_seq_index, b.tbo_split_token_index) == (1, 3)
+    b.split = split_at_token(b, 3)  # on a boundary: no cut
+    assert (b.split.seq_index, b.split.token_index) == (1, 3)
     a, c = split_forward_batch(b, 1)
     assert a.extend_seq_lens_cpu == [3] and c.extend_seq_lens_cpu == [4, 2]
     with pytest.raises(ValueError, match="a split at token 9 of a 9-token batch"):
-        place_split(b, 9)
+        split_at_token(b, 9)
 
 
-def test_children_carry_the_flag():
+def test_children_carry_the_mode():
     b = batch([1] * 4, False)
-    plan_dual_batch_overlap(b, DboConfig(True, 0, 0))
-    b.dbo = True
-    assert [c.dbo for c in split_forward_batch(b, 1)] == [True, True]
+    b.split = plan_split(b, SplitConfig("dbo", 0, 0))
+    assert [c.split.mode for c in split_forward_batch(b, 1)] == ["dbo", "dbo"]
 
 
 def make_args(**kwargs) -> ServerArgs:

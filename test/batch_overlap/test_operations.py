@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.batch_overlap.operations import (
+from srt.batch_overlap.two_batch_overlap import execute_overlapped_operations
+from srt.layers.overlap.operations import (
     ExecutionOperation,
     LayerState,
     OperationObserver,
     YieldOperation,
     execute_operations,
-    execute_overlapped_operations,
     to_stages,
 )
-from srt.batch_overlap.operations_strategy import DEEPSEEK, DENSE, QWEN3_MOE, YIELD
 from srt.model_executor.forward_batch_info import ForwardMode
+from srt.models.operations_strategy import DEEPSEEK, DENSE, QWEN3_MOE, YIELD
 
 
 def _ops(log: list, names: str) -> list:
@@ -141,8 +141,8 @@ def test_strategies_match_sglang():
 def test_layers_concatenate_into_one_strategy(qwen3_moe_path, deepseek_v3_path):
     """Model layers name their family; dense first layers are left out of the overlapped part
     and a dense layer inside it uses the dense list."""
-    from srt.batch_overlap.operations_strategy import OperationsStrategy
     from srt.model_executor.model_runner import ModelRunner
+    from srt.models.operations_strategy import OperationsStrategy
     from srt.server_args import ServerArgs
 
     for path, family in ((qwen3_moe_path, QWEN3_MOE), (deepseek_v3_path, DEEPSEEK)):
@@ -163,8 +163,8 @@ def test_single_batch_overlap_runs_shared_experts_under_the_dispatch(deepseek_v3
     """SBO's plain list moves the shared experts between dispatch_a and dispatch_b (they need
     only the router's input); without SBO they stay where the family puts them (prefill:
     under the combine)."""
-    from srt.batch_overlap.operations_strategy import layer_operations
     from srt.model_executor.model_runner import ModelRunner
+    from srt.models.operations_strategy import layer_operations
     from srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=deepseek_v3_path, dtype="float32", max_total_tokens=64)
@@ -172,7 +172,7 @@ def test_single_batch_overlap_runs_shared_experts_under_the_dispatch(deepseek_v3
     layer = model.layers[model.tbo_start_layer]
     for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
         plain = [op.name for op in layer_operations(layer, mode).operations if op is not YIELD]
-        sbo = [op.name for op in layer_operations(layer, mode, True).operations if op is not YIELD]
+        sbo = [op.name for op in layer_operations(layer, mode, "sbo").operations if op is not YIELD]
         assert sorted(plain) == sorted(sbo)
         assert sbo[sbo.index("dispatch_a") + 1] == "shared_experts"
         if mode is ForwardMode.EXTEND:  # the family's prefill list: under the combine

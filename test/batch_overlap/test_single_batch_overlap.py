@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt.batch_overlap.single_batch_overlap import (
+from srt.layers.moe.blocked_experts import project_up
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.layers.overlap.single_batch_overlap import (
     SmSplit,
     block_ranges,
     compute_overlap_args,
@@ -19,8 +21,6 @@ from srt.batch_overlap.single_batch_overlap import (
     make_combine_stream,
     partition_blocks,
 )
-from srt.layers.moe.blocked_experts import project_up
-from srt.layers.moe.fused_moe import FusedMoE
 from srt.server_args import ServerArgs
 from srt.utils.sync_guard import forbid_host_sync
 

@@ -7,17 +7,20 @@ import pytest
 import torch
 from helpers.forward_batches import extend_batch
 
-from srt.batch_overlap.two_batch_overlap import (
-    TboConfig,
-    plan_two_batch_overlap,
-    split_forward_batch,
-)
+from srt.batch_overlap.step_split import SplitConfig, plan_split, settle_split
+from srt.batch_overlap.two_batch_overlap import agree_two_batch_overlap, split_forward_batch
 from srt.layers.dp_attention import DpPaddingMode
-from srt.model_executor.dp_sync import agree_two_batch_overlap, apply_dp_sync, dp_sync_info
+from srt.model_executor.dp_sync import apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from srt.server_args import ServerArgs
 
-ALWAYS = TboConfig(True, decode_token_threshold=0, prefill_token_threshold=0)
+ALWAYS = SplitConfig("tbo", decode_token_threshold=0, prefill_token_threshold=0)
+
+
+def planned(batch: ForwardBatch, config: SplitConfig = ALWAYS) -> ForwardBatch:
+    """``batch`` with its own proposal as the step's split (the step runs TBO)."""
+    batch.split = plan_split(batch, config)
+    return batch
 
 
 def decode_batch(bs: int) -> ForwardBatch:
@@ -36,34 +39,24 @@ def decode_batch(bs: int) -> ForwardBatch:
 
 
 def test_thresholds_decide_locally():
-    config = TboConfig(True, decode_token_threshold=32, prefill_token_threshold=512)
+    config = SplitConfig("tbo", decode_token_threshold=32, prefill_token_threshold=512)
     for batch, splits in ((decode_batch(31), False), (decode_batch(32), True)):
-        plan_two_batch_overlap(batch, config)
-        assert batch.can_run_tbo is splits
+        assert (plan_split(batch, config) is not None) is splits
     small, large = extend_batch([0, 0], [200, 311]), extend_batch([0, 0], [200, 312])
     for batch, splits in ((small, False), (large, True)):
-        plan_two_batch_overlap(batch, config)
-        assert batch.can_run_tbo is splits
-    off = extend_batch([0, 0], [600, 600])
-    plan_two_batch_overlap(off, TboConfig(False))
-    assert not off.can_run_tbo and off.tbo_split_token_index is None
+        assert (plan_split(batch, config) is not None) is splits
+    assert plan_split(extend_batch([0, 0], [600, 600]), SplitConfig(None)) is None
 
 
 def test_a_batch_whose_child_would_be_empty_does_not_split():
-    one = decode_batch(1)
-    plan_two_batch_overlap(one, ALWAYS)
-    assert not one.can_run_tbo
-    single = extend_batch([0], [1])
-    plan_two_batch_overlap(single, ALWAYS)
-    assert not single.can_run_tbo
+    assert plan_split(decode_batch(1), ALWAYS) is None
+    assert plan_split(extend_batch([0], [1]), ALWAYS) is None
     no_cut = extend_batch([0], [40])  # threshold 0: no two-chunk split of one sequence
-    plan_two_batch_overlap(no_cut, TboConfig(True, 0, 0, token_distribution_threshold=0))
-    assert not no_cut.can_run_tbo
+    assert plan_split(no_cut, SplitConfig("tbo", 0, 0, token_distribution_threshold=0)) is None
 
 
 def test_decode_children_halve_the_sequences():
-    batch = decode_batch(5)
-    plan_two_batch_overlap(batch, ALWAYS)
+    batch = planned(decode_batch(5))
     a, b = split_forward_batch(batch, attn_tp_size=2)
     assert (a.batch_size, b.batch_size) == (2, 3)
     assert a.seq_lens_cpu == [8, 9] and b.seq_lens_cpu == [10, 11, 12]
@@ -77,9 +70,8 @@ def test_two_chunk_children_cut_the_long_sequence():
     """[3 (prefix 2), 40 (prefix 5), 2]: the balanced split leaves 3 of 45 tokens left, so the
     40-token sequence is cut at the middle token (22): A keeps its first 19 new tokens, B
     continues it with a prefix of 5 + 19."""
-    batch = extend_batch([2, 5, 0], [3, 40, 2])
-    plan_two_batch_overlap(batch, ALWAYS)
-    assert (batch.tbo_split_seq_index, batch.tbo_split_token_index) == (1, 22)
+    batch = planned(extend_batch([2, 5, 0], [3, 40, 2]))
+    assert (batch.split.mode, batch.split.seq_index, batch.split.token_index) == ("tbo", 1, 22)
     a, b = split_forward_batch(batch, attn_tp_size=1)
     assert a.extend_seq_lens_cpu == [3, 19] and a.extend_prefix_lens_cpu == [2, 5]
     assert a.seq_lens_cpu == [5, 24] and a.seq_lens.tolist() == [5, 24]
@@ -94,11 +86,11 @@ def test_two_chunk_children_cut_the_long_sequence():
 def test_children_get_their_own_dp_fields():
     """Two groups: this one (5 decode tokens, split 2 | 3) and one with 9 (split 4 | 5)."""
     rows = [[5, 5, 0, int(ForwardMode.DECODE), 1, 2], [9, 9, 0, int(ForwardMode.DECODE), 1, 4]]
-    info = dp_sync_info(rows, attn_tp_size=1)
-    assert info.can_run_tbo and info.tbo_split_tokens == [2, 4]
+    info = dp_sync_info(rows, attn_tp_size=1, split_rule="tbo")
+    assert info.split_tokens == [2, 4]
     batch = decode_batch(5)
-    plan_two_batch_overlap(batch, ALWAYS)
-    apply_dp_sync(batch, info)
+    proposal = plan_split(batch, ALWAYS)
+    apply_dp_sync(batch, info, settle_split("tbo", batch, proposal, info.split_tokens))
     a, b = split_forward_batch(batch, attn_tp_size=1)
     assert a.global_num_tokens_cpu == [2, 4] and b.global_num_tokens_cpu == [3, 5]
     assert a.dp_padding_mode == DpPaddingMode.MAX_LEN and a.global_dp_buffer_len == 8
@@ -107,10 +99,10 @@ def test_children_get_their_own_dp_fields():
 
 def test_an_idle_rank_splits_into_two_empty_children():
     rows = [[0, 0, 0, int(ForwardMode.IDLE), 0, 0], [40, 2, 1, int(ForwardMode.EXTEND), 1, 20]]
-    info = dp_sync_info(rows, attn_tp_size=1)
-    assert info.can_run_tbo
+    info = dp_sync_info(rows, attn_tp_size=1, split_rule="tbo")
+    assert info.can_split
     idle = ForwardBatch.idle(None, None, torch.device("cpu"))
-    apply_dp_sync(idle, info)
+    apply_dp_sync(idle, info, settle_split("tbo", idle, None, info.split_tokens))
     a, b = split_forward_batch(idle, attn_tp_size=1)
     assert a.num_tokens == b.num_tokens == 0
     assert a.forward_mode == b.forward_mode == ForwardMode.IDLE

@@ -63,7 +63,7 @@ def tbo_worker(rank: int, n: int, init_method: str, runs: list[tuple[Layout, dic
                 for tbo in (False, True):
                     runner = ModelRunner(layout.server_args(path, tbo), parallel=parallel)
                     out[name, tbo] = run_script(runner, layout.dp)
-                    out[name, tbo, "counts"] = dict(runner.forward_step_counts)
+                    out[name, tbo, "counts"] = dict(runner.step_counts)
             outs.append(out)
         return outs
     finally:
@@ -118,4 +118,4 @@ def test_tbo_equals_unsplit(tiny_models, layout):
             assert_same(tbo, plain, f"{name} rank {rank}")
             counts = out[name, True, "counts"]
             if layout.dp > 1 and group % 2 == 1:
-                assert counts[True, False, "idle"] == 1, counts  # the idle step ran split
+                assert counts["tbo", "idle"] == 1, counts  # the idle step ran split

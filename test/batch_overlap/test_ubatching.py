@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from srt.batch_overlap.ubatching import (
-    UBatchWrapper,
+from srt.batch_overlap.ubatching import UBatchWrapper
+from srt.layers.overlap.ubatch_context import (
     current_context,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
@@ -19,6 +19,7 @@ from srt.batch_overlap.ubatching import (
     dbo_yield,
     make_ubatch_contexts,
 )
+from srt.model_executor.forward_batch_info import StepSplit
 from srt.utils.sync_guard import HostSyncError, forbid_host_sync
 
 
@@ -113,11 +114,11 @@ def test_error_raised_and_the_other_runs_on():
 def test_wrapper_passes_unsplit_batches_through():
     calls = []
     wrapper = UBatchWrapper(lambda ids, pos, b: calls.append(threading.current_thread()) or ids)
-    parent = SimpleNamespace(input_ids=torch.arange(4), positions=torch.arange(4), dbo=False,
-                             tbo_children=[batch(0), batch(1)])  # fmt: skip
+    parent = SimpleNamespace(input_ids=torch.arange(4), positions=torch.arange(4),
+                             split=StepSplit("off"), tbo_children=[batch(0), batch(1)])  # fmt: skip
     wrapper(parent.input_ids, parent.positions, parent)
     assert calls == [threading.current_thread()]
-    parent.dbo = True
+    parent.split = StepSplit("dbo")
     out = wrapper(parent.input_ids, parent.positions, parent)
     assert out.tolist() == [0, 0, 1, 1] and threading.current_thread() not in calls[1:]
     wrapper.close()

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from srt.batch_overlap.ubatching import (
-    UBatchWrapper,
+from srt.batch_overlap.ubatching import UBatchWrapper
+from srt.layers.overlap.ubatch_context import (
     dbo_maybe_run_recv_hook,
     dbo_register_recv_hook,
     dbo_yield,

@@ -65,10 +65,10 @@ def run_script(runner: ModelRunner, dp: int) -> tuple[list, list[bool]]:
         out = runner.forward_step(batch)
         if batch is None:  # another group has work (the script has no all-idle step)
             assert dp > 1 and out.next_token_logits.shape[0] == 0
-            split.append(runner.last_dp_sync.can_run_tbo)
+            split.append(runner.last_dp_sync.can_split)
             continue
         results.append(logprobs(out))
-        split.append(batch.can_run_tbo)
+        split.append(batch.split.is_split)
     return results, split
 
 

@@ -10,7 +10,7 @@ from srt.distributed.parallel_state import ParallelState
 from srt.layers.dp_attention import DpPaddingMode, attn_tp_chunk, chunk_sizes, dp_buffer_len
 from srt.layers.logits_processor import num_logit_rows
 from srt.model_executor.dp_sync import SyncRow, apply_dp_sync, dp_sync_info, sync_dp_batch
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import NO_SPLIT, ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
@@ -110,7 +110,7 @@ def test_sync_on_one_rank_and_apply():
     assert info.global_num_tokens == [7]
     assert info.global_num_tokens_for_logprob == [2 + 3]  # last tokens + rows 1..3 of seq 0
     assert batch.global_num_tokens() == [7] and batch.global_is_extend()  # local before apply
-    apply_dp_sync(batch, info)
+    apply_dp_sync(batch, info, NO_SPLIT)
     assert batch.global_num_tokens_cpu == [7] and batch.global_forward_mode is ForwardMode.EXTEND
     assert batch.is_extend_in_batch and batch.dp_padding_mode is DpPaddingMode.SUM_LEN
     assert batch.global_dp_buffer_len == 7
@@ -119,7 +119,8 @@ def test_sync_on_one_rank_and_apply():
 def test_decode_follows_the_global_extend():
     batch = _batch(ForwardMode.DECODE, [5, 6])
     assert not batch.global_is_extend()
-    apply_dp_sync(batch, dp_sync_info([[2, 2, 0, DECODE, 0, 0], [9, 1, 1, EXTEND, 0, 0]], 1))
+    rows = [[2, 2, 0, DECODE, 0, 0], [9, 1, 1, EXTEND, 0, 0]]
+    apply_dp_sync(batch, dp_sync_info(rows, 1), NO_SPLIT)
     assert batch.global_is_extend() and batch.global_num_tokens() == [2, 9]
 
 

@@ -63,7 +63,7 @@ def _decode_guarded(runner: ModelRunner, driver: SeqDriver, idle: bool) -> dict:
     runner.forbid_host_sync = True
     for step in range(2):
         runner.forward_step(None if idle and step else driver.batch(("decode",)))
-    return dict(runner.forward_step_counts)
+    return dict(runner.step_counts)
 
 
 def sync_worker(rank: int, n: int, init_method: str, paths: dict) -> dict:

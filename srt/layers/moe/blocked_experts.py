@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.batch_overlap.single_batch_overlap import (
+from srt.layers import cpu_kernels
+from srt.layers.overlap.single_batch_overlap import (
     DownGemmOverlapArgs,
     RowSumOverlapArgs,
     block_ranges,
 )
-from srt.layers import cpu_kernels
 
 
 class _SlotProjection:

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs, RowSumOverlapArgs
 from srt.layers import cpu_kernels
 from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
 from srt.layers.moe.blocked_experts import BlockedProjection, project_up
+from srt.layers.overlap.single_batch_overlap import DownGemmOverlapArgs, RowSumOverlapArgs
 
 # On CPU, experts whose gate/up weight is at least this large run one GEMM each
 # (``FusedMoE._grouped_kernel``).

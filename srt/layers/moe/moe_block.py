@@ -16,13 +16,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from srt.batch_overlap.operations import LayerState
 from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.linear import linear, pack_weight
 from srt.layers.moe.blocked_experts import BlockedProjection
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
+from srt.layers.overlap.operations import LayerState
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -108,7 +108,7 @@ class SparseMoeBlock(nn.Module):
                 self.dispatcher(state).dispatch_a,
                 is_extend=batch.global_is_extend(),
                 global_max_tokens=max_chunk_tokens(batch, self.attn_tp_size),
-                blocked_combine=batch.sbo,
+                blocked_combine=batch.split.mode == "sbo",
             ),
             hidden,
             weights,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers.run_ranks import free_port
 
-from srt.batch_overlap.single_batch_overlap import CudaCombineStream, SmSplit
 from srt.distributed.parallel_state import init_parallel_state
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.factory import create_dispatcher
+from srt.layers.overlap.single_batch_overlap import CudaCombineStream, SmSplit
 from srt.utils.sync_guard import forbid_host_sync
 
 pytestmark = [

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import torch
 
-from srt.batch_overlap.single_batch_overlap import DownGemmOverlapArgs
 from srt.layers.moe.token_dispatcher.base import DispatchOutput, TokenDispatcher
 from srt.layers.moe.token_dispatcher.low_latency import TorchA2ALowLatencyDispatcher
 from srt.layers.moe.token_dispatcher.normal import TorchA2ANormalDispatcher
+from srt.layers.overlap.single_batch_overlap import DownGemmOverlapArgs
 
 
 class TorchA2AAutoDispatcher(TokenDispatcher):

@@ -9,7 +9,10 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from srt.batch_overlap.ubatching import dbo_register_recv_hook, dbo_yield
+from srt.layers.overlap.ubatch_context import (
+    dbo_register_recv_hook,
+    dbo_yield,
+)
 
 
 class DispatchOutput(NamedTuple):

@@ -1,5 +1,5 @@
 """Single-batch overlap's combine, block by block, for the ``torch`` dispatchers: the wires and
-the layout are in ``srt.batch_overlap.single_batch_overlap``.
+the layout are in ``srt.layers.overlap.single_batch_overlap``.
 
 ``BlockedCombine`` is the pair wire (the normal mode's): only the block's (token, expert) pairs
 travel, with split sizes both sides derive on the host from the ids (``compute_overlap_args``:
@@ -16,7 +16,14 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup
 
-from srt.batch_overlap.single_batch_overlap import (
+from srt.layers.moe.token_dispatcher.base import TokenDispatcher
+from srt.layers.moe.token_dispatcher.torch_a2a import (
+    DuplexAllToAll,
+    EPLayout,
+    PhaseGuard,
+    RowFormat,
+)
+from srt.layers.overlap.single_batch_overlap import (
     CombineOverlapArgs,
     CudaCombineStream,
     DownGemmOverlapArgs,
@@ -24,13 +31,6 @@ from srt.batch_overlap.single_batch_overlap import (
     RowSumOverlapArgs,
     compute_overlap_args,
     make_combine_stream,
-)
-from srt.layers.moe.token_dispatcher.base import TokenDispatcher
-from srt.layers.moe.token_dispatcher.torch_a2a import (
-    DuplexAllToAll,
-    EPLayout,
-    PhaseGuard,
-    RowFormat,
 )
 
 

@@ -1,5 +1,5 @@
 """Single-batch overlap's blocked combine for the low_latency dispatcher (the row wire of
-``srt.batch_overlap.single_batch_overlap``): fixed shapes, no host values, on every backend.
+``srt.layers.overlap.single_batch_overlap``): fixed shapes, no host values, on every backend.
 
 Wire: block b's combine is the unblocked low_latency combine's exchange, an all_to_all_single
 of ``[ep·C, H]`` rows with equal splits of C (C = ``max_dispatch_tokens_per_rank``): row j of
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from srt.batch_overlap.single_batch_overlap import RowSumOverlapArgs
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine, BlockOrder
+from srt.layers.overlap.single_batch_overlap import RowSumOverlapArgs
 
 
 class FixedBlockedCombine(BlockOrder):

@@ -38,7 +38,6 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
-from srt.batch_overlap.ubatching import dbo_maybe_run_recv_hook
 from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombine, BlockedCombineDispatcher
@@ -58,6 +57,7 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
     check_inputs,
     mask_for_rank,
 )
+from srt.layers.overlap.ubatch_context import dbo_maybe_run_recv_hook
 from srt.utils.sync_guard import allow_host_sync
 
 # The ragged wire runs on gloo, whose tensors live on the host: reading its counts waits for

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from srt.batch_overlap.ubatching import dbo_maybe_run_recv_hook
 from srt.distributed.p2p import PendingWork
 from srt.layers.moe.token_dispatcher.base import DispatchOutput
 from srt.layers.moe.token_dispatcher.blocked_combine import BlockedCombineDispatcher
@@ -54,6 +53,7 @@ from srt.layers.moe.token_dispatcher.torch_a2a import (
     largest_link,
     mask_for_rank,
 )
+from srt.layers.overlap.ubatch_context import dbo_maybe_run_recv_hook
 
 
 class _Routed(NamedTuple):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from srt.batch_overlap.operations import ExecutionOperation, OperationItem, YieldOperation
+from srt.layers.overlap.operations import ExecutionOperation, OperationItem, YieldOperation
 from srt.model_executor.forward_batch_info import ForwardMode
 
 if TYPE_CHECKING:
@@ -110,18 +110,22 @@ class OperationsStrategy:
         return cls(ops, deltas.pop() if deltas else 0)
 
 
+# Where the plain path runs the shared experts under an overlap mode that moves them.
+_SHARED_EXPERTS_AFTER = {"sbo": "dispatch_a", "dbo": "combine_a"}
+
+
 def layer_operations(
-    layer: MoEDecoderLayer, forward_mode: ForwardMode, sbo: bool = False, dbo: bool = False
+    layer: MoEDecoderLayer, forward_mode: ForwardMode, overlap: str = "off"
 ) -> OperationsStrategy:
-    """For the plain path only: ``sbo``, single-batch overlap's placement of the shared
-    experts, between ``dispatch_a`` and ``dispatch_b``; ``dbo``, dual-batch overlap's (vLLM's
-    schedule), between ``combine_a`` and ``combine_b``, where the combine's yield follows
-    them."""
+    """The layer's operations for ``forward_mode`` under the step's ``overlap`` mode. On the
+    plain path: single-batch overlap places the shared experts between ``dispatch_a`` and
+    ``dispatch_b``; dual-batch overlap (vLLM's schedule) between ``combine_a`` and
+    ``combine_b``, where the combine's yield follows them."""
     family = layer.operations_family if layer.is_moe else DENSE
     names, delta = family.for_mode(forward_mode)
-    if (sbo or dbo) and layer.has_shared_experts:
+    after = _SHARED_EXPERTS_AFTER.get(overlap)
+    if after is not None and layer.has_shared_experts:
         names = [n for n in names if n != "shared_experts"]
-        after = "dispatch_a" if sbo else "combine_a"
         names.insert(names.index(after) + 1, "shared_experts")
     ops: list[OperationItem] = []
     for name in names:

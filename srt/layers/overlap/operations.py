@@ -1,11 +1,13 @@
-"""Layer operations and their executors.
+"""Layer operations: what a decoder layer's forward is made of.
 
 A decoder layer exposes its forward as a list of small operations (``op_*`` methods). Each
 operation reads and writes a ``LayerState``; the plain forward runs the list in order
 (``execute_operations``). An operations list may hold ``YieldOperation`` markers, which cut it
-into stages: two-batch overlap runs two micro-batches' states through the same stages,
-interleaved (``execute_overlapped_operations``), so that one computes while the other's
-all-to-all, launched by an ``_a`` operation and awaited by its ``_b`` one, is in flight.
+into stages (``to_stages``): two-batch overlap's executor
+(``srt.batch_overlap.two_batch_overlap``) runs two micro-batches' states through the same
+stages, interleaved, so that one computes while the other's all-to-all, launched by an ``_a``
+operation and awaited by its ``_b`` one, is in flight. This module sits below the layers that
+use it and imports no executor.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from srt.batch_overlap.ubatching import current_context
+from srt.layers.overlap.ubatch_context import current_context
 from srt.model_executor.forward_batch_info import ForwardBatch
 
 Operation = Callable[["LayerState"], None]
@@ -157,7 +159,7 @@ def to_stages(operations: Sequence[OperationItem]) -> list[list[ExecutionOperati
     return stages
 
 
-def _run_stage(
+def run_stage(
     stage: list[ExecutionOperation],
     state: LayerState,
     observer: OperationObserver | None,
@@ -179,28 +181,4 @@ def execute_operations(
     overlap thread the timeline's track is its micro-batch's."""
     ops = [op for op in operations if not isinstance(op, YieldOperation)]
     ctx = current_context()
-    _run_stage(ops, state, observer, "plain" if ctx is None else ctx.track)
-
-
-def execute_overlapped_operations(
-    inputs_a: LayerState,
-    inputs_b: LayerState,
-    operations: Sequence[OperationItem],
-    delta_stages: int,
-    observer: OperationObserver | None = None,
-) -> tuple[LayerState, LayerState]:
-    """Two micro-batches through the same stages: A runs ``delta_stages`` stages alone, then A
-    and B alternate stage by stage (A's stage ``i + delta`` then B's stage ``i``), then B runs
-    its last ``delta_stages`` stages. Every rank runs the same sequence, so the collectives
-    the stages launch line up across ranks. Each state carries its own micro-batch (and with
-    it its DP buffer length and dispatcher index), so nothing global is switched between
-    stages. Returns the two states."""
-    stages = to_stages(operations)
-    if not 0 <= delta_stages <= len(stages):
-        raise ValueError(f"delta_stages {delta_stages} outside [0, {len(stages)}]")
-    for i in range(len(stages) + delta_stages):
-        if i < len(stages):
-            _run_stage(stages[i], inputs_a, observer, "A")
-        if i >= delta_stages:
-            _run_stage(stages[i - delta_stages], inputs_b, observer, "B")
-    return inputs_a, inputs_b
+    run_stage(ops, state, observer, "plain" if ctx is None else ctx.track)
