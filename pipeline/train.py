@@ -31,7 +31,7 @@ from pipeline.ep import EPGroup
 from pipeline.executor import RankExecutor
 from pipeline.model import ModelConfig, build_model, loss_fn, split_stages
 from pipeline.report import print_summary, summarize
-from pipeline.schedules import add_schedule_args, make_schedule
+from pipeline.schedules import DEFAULT_DW_DETACH, add_schedule_args, make_schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TrainConfig:
     pp: int = 2
     num_microbatches: int = 4
     vpp: int = 1
-    dw_detach: bool = False
+    dw_detach: bool = DEFAULT_DW_DETACH
     ep: int = 1  # EP group size at each pipeline position (each EP rank runs its own data)
     fb_overlap: bool = False
     steps: int = 3
