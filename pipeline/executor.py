@@ -53,6 +53,48 @@ class StepRecord:
     receives: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+Chunk = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class StepState:
+    """One step's inputs and what its actions hand each other, made afresh for every step."""
+
+    ids: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    num_total: int  # the micro-batches the mean loss is over
+    recv_works: dict[tuple[str, int, int], tuple]  # every irecv, posted at the step's start
+    send_works: list[tuple] = field(default_factory=list)  # (work, tensor), waited at the end
+    inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # received
+    outputs: dict[Chunk, torch.Tensor] = field(default_factory=dict)  # F output to send or pass
+    saved: dict[Chunk, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # F's
+    grads: dict[Chunk, torch.Tensor] = field(default_factory=dict)  # input gradient
+    weights: dict[Chunk, Callable[[], None]] = field(default_factory=dict)  # deferred W
+    live: dict[Chunk, int] = field(default_factory=dict)  # activation bytes kept
+    record: StepRecord = field(default_factory=StepRecord)
+
+    def note_peak(self) -> None:
+        record = self.record
+        record.peak_bytes = max(record.peak_bytes, sum(self.live.values()))
+        record.peak_chunks = max(record.peak_chunks, len(self.live))
+
+
+# A message's tag is (direction, stage) × MAX_MICROBATCHES + micro-batch: unique while the
+# micro-batches stay below the bound, and a tag must fit a signed 32-bit integer (gloo's)
+MAX_MICROBATCHES = 4096
+MAX_STAGES = 2**31 // (2 * MAX_MICROBATCHES)
+
+
+def check_message_tags(schedule: Schedule) -> None:
+    """Refuse a schedule whose messages' tags would collide or overflow."""
+    if schedule.num_microbatches > MAX_MICROBATCHES:
+        raise ValueError(f"{schedule.num_microbatches} micro-batches: the executor's message "
+                         f"tags allow at most {MAX_MICROBATCHES}")  # fmt: skip
+    if schedule.num_stages > MAX_STAGES:
+        raise ValueError(f"{schedule.num_stages} stages: the executor's message tags allow at "
+                         f"most {MAX_STAGES}")  # fmt: skip
+
+
 class RankExecutor:
     """``stages``: this rank's stage modules by global stage index; ``shape``: a micro-batch's
     activations ``[batch, seq, hidden]`` (the same for every micro-batch); ``peers``: the
@@ -62,6 +104,7 @@ class RankExecutor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, Stage], shape,
                  peers: list[int] | None = None, fb_overlap: bool = False,
                  num_total: int | None = None):  # fmt: skip
+        check_message_tags(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
         self.shape, self.peers = tuple(shape), peers or list(range(schedule.num_ranks))
         self.last = schedule.num_stages - 1
@@ -71,60 +114,53 @@ class RankExecutor:
                         for p in st.parameters()}  # fmt: skip
 
     def _tag(self, what: str, stage: int, mb: int) -> int:
-        return ((what == "grad") * self.schedule.num_stages + stage) * 4096 + mb
+        return ((what == "grad") * self.schedule.num_stages + stage) * MAX_MICROBATCHES + mb
 
     def step(self, ids: list[torch.Tensor], labels: list[torch.Tensor]) -> StepRecord:
         """One training step's forward and backward over the micro-batches ``ids`` / ``labels``
         (gradients accumulate; the caller steps the optimizer)."""
-        self._ids, self._labels = ids, labels
-        self._n = self.num_total or len(ids)
-        self._inbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # F output, for a local next stage
-        self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # input gradient per (stage, mb)
-        self._weights: dict[tuple[int, int], Callable[[], None]] = {}  # deferred W
-        self._live: dict[tuple[int, int], int] = {}  # activation bytes per (stage, mb)
-        self._sends, record = [], StepRecord()
-        self._record = record
-        self._recvs = self._post_receives()
+        st = StepState(ids, labels, self.num_total or len(ids), self._post_receives())
         for action in self.schedule.ranks[self.rank]:
             if isinstance(action, Comm):
-                self._comm(action)
+                self._comm(st, action)
             elif isinstance(action, Pair) and self.threads is not None:
-                start = time.perf_counter()
-                # the backward first: its first exchange (the last layer's combine) comes at
-                # once, and the forward's attention computes while it is in flight
-                jobs = [functools.partial(self._backward, action.b),
-                        functools.partial(self._forward, action.f)]  # fmt: skip
-                self.threads.run(jobs, torch.device("cpu"))
-                record.spans.append((str(action), start, time.perf_counter()))
+                self._overlapped(st, action)
             else:
                 for c in (action.f, action.b) if isinstance(action, Pair) else (action,):
-                    self._timed(c)
-        for work, _tensor in self._sends:
+                    self._timed(st, c)
+        for work, _tensor in st.send_works:
             work.wait()
-        if self._weights:
-            raise RuntimeError(f"rank {self.rank}: W never run for {sorted(self._weights)}")
-        return record
+        if st.weights:
+            raise RuntimeError(f"rank {self.rank}: W never run for {sorted(st.weights)}")
+        return st.record
 
     def close(self) -> None:
         if self.threads is not None:
             self.threads.close()
 
-    def _comm(self, c: Comm) -> None:
+    def _overlapped(self, st: StepState, pair: Pair) -> None:
+        start = time.perf_counter()
+        # the backward first: its first exchange (the last layer's combine) comes at once, and
+        # the forward's attention computes while it is in flight
+        jobs = [functools.partial(self._backward, st, pair.b),
+                functools.partial(self._forward, st, pair.f)]  # fmt: skip
+        self.threads.run(jobs, torch.device("cpu"))
+        st.record.spans.append((str(pair), start, time.perf_counter()))
+
+    def _comm(self, st: StepState, c: Comm) -> None:
         tag, key = self._tag(c.what, c.stage, c.mb), message_key(c.what, c.stage, c.mb)
         if c.kind == "send":
-            store = self._outputs if c.what == "act" else self._grads
+            store = st.outputs if c.what == "act" else st.grads
             tensor = store.pop((c.stage, c.mb)).contiguous()
-            self._record.sends[key] = time.perf_counter()
+            st.record.sends[key] = time.perf_counter()
             work = dist.isend(tensor, self.peers[c.peer], tag=tag)
-            self._sends.append((work, tensor))  # the tensor lives until the send is done
+            st.send_works.append((work, tensor))  # the tensor lives until the send is done
             return
-        work, buf = self._recvs.pop((c.what, c.stage, c.mb))
+        work, buf = st.recv_works.pop((c.what, c.stage, c.mb))
         start = time.perf_counter()
         work.wait()
-        self._record.receives[key] = (start, time.perf_counter())
-        self._inbox[(c.what, c.stage, c.mb)] = buf
+        st.record.receives[key] = (start, time.perf_counter())
+        st.inbox[(c.what, c.stage, c.mb)] = buf
 
     def _post_receives(self) -> dict:
         """Every receive of the step, posted at its start: gloo moves a message once its
@@ -138,56 +174,51 @@ class RankExecutor:
                 out[(c.what, c.stage, c.mb)] = (dist.irecv(buf, self.peers[c.peer], tag=tag), buf)
         return out
 
-    def _timed(self, c: Compute) -> None:
+    def _timed(self, st: StepState, c: Compute) -> None:
         start = time.perf_counter()
-        {"F": self._forward, "B": self._backward, "W": self._weight}[c.kind](c)
-        self._record.spans.append((str(c), start, time.perf_counter()))
+        {"F": self._forward, "B": self._backward, "W": self._weight}[c.kind](st, c)
+        st.record.spans.append((str(c), start, time.perf_counter()))
 
-    def _input(self, what: str, stage: int, mb: int) -> torch.Tensor:
+    def _input(self, st: StepState, what: str, stage: int, mb: int) -> torch.Tensor:
         if self.schedule.stage_rank[stage] == self.rank:  # the neighbour stage is here
-            return self._outputs.pop((stage, mb)) if what == "act" else self._grads.pop((stage, mb))
-        return self._inbox.pop((what, stage, mb))
+            return st.outputs.pop((stage, mb)) if what == "act" else st.grads.pop((stage, mb))
+        return st.inbox.pop((what, stage, mb))
 
-    def _forward(self, c: Compute) -> None:
+    def _forward(self, st: StepState, c: Compute) -> None:
         if c.stage == 0:
-            inp = self._ids[c.mb]
+            inp = st.ids[c.mb]
         else:
-            inp = self._input("act", c.stage - 1, c.mb).detach().requires_grad_()
+            inp = self._input(st, "act", c.stage - 1, c.mb).detach().requires_grad_()
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in self._params and ptr not in seen:
                 seen.add(ptr)
-                self._live[key] = self._live.get(key, 0) + t.untyped_storage().nbytes()
-                self._note_peak()
+                st.live[key] = st.live.get(key, 0) + t.untyped_storage().nbytes()
+                st.note_peak()
             return t
 
         key = (c.stage, c.mb)
-        self._live[key] = 0
-        self._note_peak()
+        st.live[key] = 0
+        st.note_peak()
         if c.stage:  # the received activation is kept as the stage's input
             seen.add(inp.untyped_storage().data_ptr())
-            self._live[key] = inp.untyped_storage().nbytes()
+            st.live[key] = inp.untyped_storage().nbytes()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self.stages[c.stage](inp)
             if c.stage == self.last:
-                out = loss_fn(out, self._labels[c.mb], self._n)
+                out = loss_fn(out, st.labels[c.mb], st.num_total)
         if c.stage == self.last:
-            self._record.loss += float(out.detach())
+            st.record.loss += float(out.detach())
         else:
-            self._outputs[key] = out.detach()
-        self._saved[key] = (inp, out)
-        self._note_peak()
+            st.outputs[key] = out.detach()
+        st.saved[key] = (inp, out)
+        st.note_peak()
 
-    def _note_peak(self) -> None:
-        record = self._record
-        record.peak_bytes = max(record.peak_bytes, sum(self._live.values()))
-        record.peak_chunks = max(record.peak_chunks, len(self._live))
-
-    def _backward(self, c: Compute) -> None:
-        inp, out = self._saved.pop((c.stage, c.mb))
-        grad = None if c.stage == self.last else self._input("grad", c.stage + 1, c.mb)
+    def _backward(self, st: StepState, c: Compute) -> None:
+        inp, out = st.saved.pop((c.stage, c.mb))
+        grad = None if c.stage == self.last else self._input(st, "grad", c.stage + 1, c.mb)
         needs_input = c.stage > 0
         if c.split_w:
             params = [p for p in self.stages[c.stage].parameters() if p.requires_grad]
@@ -201,13 +232,13 @@ class RankExecutor:
                 w = functools.partial(stage_backward_weight, params, groups)
             else:  # token ids in: the whole backward is weight gradients
                 w = functools.partial(torch.autograd.backward, out, grad, inputs=params)
-            self._weights[(c.stage, c.mb)] = w
+            st.weights[(c.stage, c.mb)] = w
         else:
             torch.autograd.backward(out, grad)
-            self._live.pop((c.stage, c.mb))
+            st.live.pop((c.stage, c.mb))
         if needs_input:
-            self._grads[(c.stage, c.mb)] = inp.grad
+            st.grads[(c.stage, c.mb)] = inp.grad
 
-    def _weight(self, c: Compute) -> None:
-        self._weights.pop((c.stage, c.mb))()
-        self._live.pop((c.stage, c.mb))
+    def _weight(self, st: StepState, c: Compute) -> None:
+        st.weights.pop((c.stage, c.mb))()
+        st.live.pop((c.stage, c.mb))

@@ -28,6 +28,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# DualPipeV's cool-down backwards whole unless asked (MindSpeed's ``--dualpipev-dw-detach`` is
+# off unless given); the one default, which the command line, ``make_schedule`` and the
+# training config share
+DEFAULT_DW_DETACH = False
+
 
 @dataclass(frozen=True)
 class Compute:
@@ -194,7 +199,7 @@ def interleaved_1f1b(pp: int, n: int, v: int) -> Schedule:
     return _build(schedule, per_rank)
 
 
-def dualpipev(pp: int, n: int, dw_detach: bool = True) -> Schedule:
+def dualpipev(pp: int, n: int, *, dw_detach: bool) -> Schedule:
     _check_sizes(pp, n)
     if n < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2·PP = {2 * pp} micro-batches, got {n}")
@@ -248,7 +253,9 @@ def dualpipev(pp: int, n: int, dw_detach: bool = True) -> Schedule:
     return _build(schedule, per_rank)
 
 
-def make_schedule(method: str, pp: int, n: int, v: int = 1, dw_detach: bool = False) -> Schedule:
+def make_schedule(
+    method: str, pp: int, n: int, v: int = 1, dw_detach: bool = DEFAULT_DW_DETACH
+) -> Schedule:
     """``--schedules-method`` {1f1b, vpp, dualpipev} with its options."""
     if method == "1f1b":
         return one_f_one_b(pp, n)
@@ -257,7 +264,7 @@ def make_schedule(method: str, pp: int, n: int, v: int = 1, dw_detach: bool = Fa
     if method == "dualpipev":
         if v > 1:
             raise ValueError("DualPipeV is incompatible with virtual pipeline stages (VPP)")
-        return dualpipev(pp, n, dw_detach)
+        return dualpipev(pp, n, dw_detach=dw_detach)
     raise ValueError(f"--schedules-method {method!r}: one of 1f1b, vpp, dualpipev")
 
 
@@ -267,7 +274,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, pp: int, n: int) -> None:
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=pp)
     parser.add_argument("--num-micro-batches", type=int, default=n)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--dualpipev-dw-detach", action="store_true")
+    parser.add_argument("--dualpipev-dw-detach", action="store_true", default=DEFAULT_DW_DETACH)
 
 
 def schedule_from_args(args: argparse.Namespace) -> Schedule:

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.ep import EPGroup
-from pipeline.executor import RankExecutor
+from pipeline.executor import RankExecutor, check_message_tags
 from pipeline.model import ModelConfig, build_model, loss_fn, split_stages
 from pipeline.report import print_summary, summarize
-from pipeline.schedules import add_schedule_args, make_schedule
+from pipeline.schedules import DEFAULT_DW_DETACH, add_schedule_args, make_schedule
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TrainConfig:
     pp: int = 2
     num_microbatches: int = 4
     vpp: int = 1
-    dw_detach: bool = False
+    dw_detach: bool = DEFAULT_DW_DETACH
     ep: int = 1  # EP group size at each pipeline position (each EP rank runs its own data)
     fb_overlap: bool = False
     steps: int = 3
@@ -318,7 +318,7 @@ def main(argv=None) -> None:
                       args.dualpipev_dw_detach, ep, args.moe_fb_overlap, args.steps,
                       args.micro_batch_size, args.seq_length, model=model)  # fmt: skip
     try:
-        cfg.schedule()
+        check_message_tags(cfg.schedule())  # refused here, not in every rank's process
     except ValueError as e:
         p.error(str(e))
     if args.rank is None:

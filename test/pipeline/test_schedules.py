@@ -82,12 +82,12 @@ def test_dualpipev_holds_fewer_activations_than_one_f_one_b_per_stage():
     """Per rank DualPipeV holds 2·PP + 1 chunk activations of half a 1F1B stage each: PP + ½
     stages' worth on every rank, against PP on 1F1B's first rank."""
     for pp in PPS:
-        peaks = simulate(dualpipev(pp, 3 * pp)).peak_activations()
+        peaks = simulate(dualpipev(pp, 3 * pp, dw_detach=True)).peak_activations()
         assert peaks == [2 * pp + 1] * pp
 
 
 def test_dualpipev_layout():
-    s = dualpipev(4, 8)
+    s = dualpipev(4, 8, dw_detach=True)
     assert s.stage_rank == [0, 1, 2, 3, 3, 2, 1, 0]
     assert [s.chunk_of(stage) for stage in (0, 7, 3, 4)] == [0, 1, 0, 1]
     pairs = [a for a in s.ranks[1] if isinstance(a, Pair)]
