@@ -48,7 +48,7 @@ from benchmark.cluster.emulated_network import (
 )
 from benchmark.cluster.emulated_report import write_report
 from benchmark.cluster.emulated_serving import SERVING_FLAGS, run_serving_modes
-from benchmark.kernel.op_timeline import matplotlib_missing
+from benchmark.common.op_timeline import matplotlib_missing
 from benchmark.offline.make_random_model import make_mid_size_model
 
 DIST_PORT = 29650  # the server in serving slot k uses DIST_PORT + 20 (k + 1) and up
