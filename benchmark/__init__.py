@@ -6,7 +6,9 @@ table of scripts, what each measures, how to run it and where its results are do
 - ``serving``: a running server under load (throughput, latency, a soak, a peer engine);
 - ``cluster``: a multi-node srt in network namespaces on one machine (overlap, faults);
 - ``gpu``: the GPU check's parity and figures (``benchmark/gpu_check.sh``);
-- ``common``: starting and stopping servers and processes, ``ip netns`` (shared with the tests).
+- ``common``: not a benchmark, what they share: starting and stopping servers and processes,
+  ``ip netns`` (shared with the tests), a static batch through a ModelRunner, the same batch
+  through HF transformers, the operation timelines.
 
 Each script runs as ``python benchmark/GROUP/SCRIPT.py`` or ``python -m benchmark.GROUP.SCRIPT``
 once the project is installed (``make install``).

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -47,11 +46,16 @@ from benchmark.cluster.emulated_network import (
     link_selftest,
 )
 from benchmark.cluster.emulated_report import write_report
-from benchmark.cluster.emulated_serving import SERVING_FLAGS, run_serving_modes
-from benchmark.kernel.op_timeline import matplotlib_missing
+from benchmark.cluster.emulated_serving import (
+    DIST_PORT,
+    SERVING_FLAGS,
+    add_srt_args,
+    parallel_flags,
+    run_serving_modes,
+)
+from benchmark.common.op_timeline import matplotlib_missing
 from benchmark.offline.make_random_model import make_mid_size_model
 
-DIST_PORT = 29650  # the server in serving slot k uses DIST_PORT + 20 (k + 1) and up
 # bench_one_batch measures the overlap itself: every step splits (thresholds 0). The servers
 # run as users would, with the default thresholds.
 OVERLAP_FLAGS = {
@@ -65,12 +69,6 @@ OVERLAP_FLAGS = {
 
 
 OVERLAP_MODES = ("tbo", "sbo", "dbo")
-
-
-def add_srt_args(p: argparse.ArgumentParser) -> None:
-    """``--srt-args``, which ``parallel_flags`` appends to every srt command on every node."""
-    # Values that start with a dash need the = form: --srt-args="--enable-dp-lm-head".
-    p.add_argument("--srt-args", default="", help="extra flags for every srt process on every node")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,19 +130,6 @@ def _pinned(cluster, i: int, argv: list[str]) -> list[str]:
     """One core per node (round robin over this process's cores)."""
     cores = sorted(os.sched_getaffinity(0))
     return ["taskset", "-c", str(cores[i % len(cores)]), *argv]
-
-
-def parallel_flags(args, cluster, i: int, dist_port: int = DIST_PORT) -> list[str]:
-    """Node ``i``'s share of one srt over the cluster: one rank per node, DP attention and
-    expert parallelism over the torch all-to-all, node 0's address for the rendezvous."""
-    n = args.nodes
-    return [
-        "--model-path", args.model_path, "--tp", str(n), "--dp", str(n), "--enable-dp-attention",
-        "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
-        "--nnodes", str(n), "--node-rank", str(i),
-        "--dist-init-addr", f"{cluster.addrs[0]}:{dist_port}",
-        *shlex.split(args.srt_args),
-    ]  # fmt: skip
 
 
 def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:

@@ -36,9 +36,14 @@ from pathlib import Path
 
 from make_tiny_models import default_model_path
 
-from benchmark.cluster.emulated_cluster import add_srt_args, parallel_flags
 from benchmark.cluster.emulated_network import create_cluster, exit_on_signals
-from benchmark.cluster.emulated_serving import HTTP_PORT, node0_http_ok, wait_nodes_ready
+from benchmark.cluster.emulated_serving import (
+    HTTP_PORT,
+    add_srt_args,
+    node0_http_ok,
+    parallel_flags,
+    wait_nodes_ready,
+)
 from benchmark.common.netns import live_pids, netns_exists
 from benchmark.common.process import ipc_dirs, spawned_children
 

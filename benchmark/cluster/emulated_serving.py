@@ -12,11 +12,17 @@ on a shared two-core machine: its speed drifts by 10-30 % over tens of seconds, 
 measured in one stretch of time and another in the next would compare the drift, not the
 modes. ``--serving-servers`` repeats all of it with fresh servers. A mode's figure pools its
 measured bursts: output tokens over seconds.
+
+It is also what ``emulated_cluster.py`` and ``emulated_faults.py`` share to run srt on the
+nodes: each node's command-line flags (``parallel_flags``, with ``--srt-args``) and the wait
+until node 0's server answers.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +31,7 @@ from benchmark.common.process import stop_groups
 from benchmark.common.server import wait_ready
 
 HTTP_PORT = 30000  # node 0's; the server in slot k listens on HTTP_PORT + k
+DIST_PORT = 29650  # the server in serving slot k uses DIST_PORT + 20 (k + 1) and up
 SERVING_FLAGS = {
     "off": [],
     "tbo": ["--enable-two-batch-overlap"],
@@ -32,6 +39,25 @@ SERVING_FLAGS = {
     "dbo": ["--enable-dbo"],
     "auto": ["--overlap-mode", "auto"],
 }
+
+
+def add_srt_args(p: argparse.ArgumentParser) -> None:
+    """``--srt-args``, which ``parallel_flags`` appends to every srt command on every node."""
+    # Values that start with a dash need the = form: --srt-args="--enable-dp-lm-head".
+    p.add_argument("--srt-args", default="", help="extra flags for every srt process on every node")
+
+
+def parallel_flags(args, cluster, i: int, dist_port: int = DIST_PORT) -> list[str]:
+    """Node ``i``'s share of one srt over the cluster: one rank per node, DP attention and
+    expert parallelism over the torch all-to-all, node 0's address for the rendezvous."""
+    n = args.nodes
+    return [
+        "--model-path", args.model_path, "--tp", str(n), "--dp", str(n), "--enable-dp-attention",
+        "--moe-a2a-backend", "torch", "--deepep-mode", "normal", "--dtype", "float32",
+        "--nnodes", str(n), "--node-rank", str(i),
+        "--dist-init-addr", f"{cluster.addrs[0]}:{dist_port}",
+        *shlex.split(args.srt_args),
+    ]  # fmt: skip
 
 
 def node0_http_ok(cluster, url: str) -> bool:

@@ -1,5 +1,6 @@
 """Correctness of srt's GPU path on the tiny checkpoints (``benchmark/gpu_check.sh``, steps
-3-5; ``docs/gpu.md``), through bench_one_batch's static batches:
+3-5; ``docs/gpu.md``), through bench_one_batch's static batches
+(``benchmark.common.static_batch``):
 
 - ``parity``: fp32 log-probabilities against HF transformers on the same device, at prefill and
   at each of 8 decode steps fed HF's greedy tokens, for ragged prompts: eager, CUDA graphs (the
@@ -26,20 +27,23 @@ import torch
 from make_tiny_models import ensure_tiny_models
 
 from benchmark.common.process import free_port
-from benchmark.gpu.gpu_report import (
+from benchmark.common.static_batch import (
+    batch_context,
+    decode_step,
+    make_batch,
+    random_inputs,
+    run_once,
+    start_decoding,
+)
+from benchmark.gpu.checks import (
     TBO_FLAGS,
     CheckFailed,
     Report,
     check_ran_as_asked,
-    decode_step,
     new_runner,
     release,
-    start_decoding,
 )
-from benchmark.offline.bench_one_batch import make_batch, random_inputs, run_once
 from srt.distributed.parallel_state import init_parallel_state
-from srt.managers.schedule_batch import BatchContext
-from srt.mem_cache.chunk_cache import ChunkCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
@@ -98,18 +102,6 @@ def srt_max_diff(runner, ctx, reference: list[torch.Tensor], tokens: list[list[i
         for req, seq in zip(batch.reqs, tokens):
             req.output_ids.append(seq[s])
     return worst
-
-
-def batch_context(runner: ModelRunner) -> BatchContext:
-    """What bench_one_batch.make_runner builds around a runner, for one built here."""
-    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device)
-    return BatchContext(
-        runner.req_to_token_pool,
-        runner.token_to_kv_pool_allocator,
-        cache,
-        runner.device,
-        runner.model_config.vocab_size,
-    )
 
 
 def sbo_runner(path: str, device: str, dtype: str):

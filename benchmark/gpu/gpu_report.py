@@ -2,7 +2,8 @@
 
 For one checkpoint (on a GPU, the 4-layer Qwen3-30B-A3B-shaped one of
 ``make_random_model.py --preset qwen3-30b-a3b-4l``) and each batch size, through bench_one_batch's
-static batch (prefill of ``--input-len`` tokens, then ``--output-len`` decode steps):
+static batch (``benchmark.common.static_batch``: prefill of ``--input-len`` tokens, then
+``--output-len`` decode steps):
 
 - decode step ms, CUDA graphs on and off (``--disable-cuda-graph`` as the runner has it: the
   same weights decode without their graphs), and whether both decoded the same greedy tokens;
@@ -26,99 +27,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import math
 import sys
 import time
-import traceback
-from collections import Counter
 from collections.abc import Iterator
 
 import torch
 
-from benchmark.offline.bench_one_batch import (
-    load_hf_model,
-    make_batch,
-    make_runner,
-    random_inputs,
-    run_once,
-    step,
-)
-from benchmark.offline.hf_compare import compare_with_hf
-from srt.model_executor.cpu_threads import DecodeWeights
-from srt.server_args import ServerArgs
-
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
-LAUNCH_CALLS = (
-    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-    "cudaGraphLaunch",
-)  # fmt: skip
-TBO_FLAGS = {
-    "moe_a2a_backend": "torch",
-    "enable_two_batch_overlap": True,
-    # forced: every batch splits, however small
-    "tbo_decode_token_threshold": 0,
-    "tbo_prefill_token_threshold": 0,
-}
-
-
-class CheckFailed(AssertionError):
-    """A figure was measured and is wrong (as opposed to a section that crashed)."""
-
-
-class Report:
-    """Headed sections; one that raises is reported FAIL and the run goes on."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    @contextlib.contextmanager
-    def section(self, title: str) -> Iterator[None]:
-        print(f"\n=== {title} ===", flush=True)
-        start = time.perf_counter()
-        try:
-            yield
-        except Exception as e:  # report it, run the next section
-            if not isinstance(e, CheckFailed):
-                traceback.print_exc(limit=-4)  # the frames that say where
-            print(f"FAIL {title}: {type(e).__name__}: {e}", flush=True)
-            self.failed.append(title)
-        else:
-            print(f"--- {title}: {time.perf_counter() - start:.1f} s", flush=True)
-
-    def exit_status(self) -> int:
-        print("\nfailed: " + (", ".join(self.failed) if self.failed else "none"), flush=True)
-        return 1 if self.failed else 0
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release() -> None:
-    """Give the memory of objects the caller just dropped back to the device (runners hold
-    reference cycles), so that the next runner's KV budget, sized from free memory, sees it."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def new_runner(model_path: str, device: str, dtype: str, max_bs: int, max_tokens: int, **flags):
-    """bench_one_batch's runner and batch context, with ``flags`` as server flags
-    (``cuda_graph_bs`` dropped off CUDA, where ServerArgs refuses it)."""
-    if device != "cuda":
-        flags.pop("cuda_graph_bs", None)
-    server_args = ServerArgs(
-        model_path=model_path,
-        device=device,
-        dtype=dtype,
-        max_running_requests=max_bs,
-        max_total_tokens=max_tokens,
-        **flags,
-    )
-    return make_runner(server_args, max_bs, max_tokens)
+from benchmark.common.hf_compare import compare_with_hf, load_hf_model
+from benchmark.common.static_batch import random_inputs, run_once
+from benchmark.gpu.checks import TBO_FLAGS, Report, check_ran_as_asked, new_runner, release
+from benchmark.gpu.decode_figures import copy_bandwidth, floor_bytes, profile_decode, sync
 
 
 @contextlib.contextmanager
@@ -132,125 +51,8 @@ def eager(runner) -> Iterator[None]:
         runner.graph_runner = graphs
 
 
-def check_ran_as_asked(runner, variant: str) -> None:
-    """The variant's mode really ran: split steps, SBO steps, decode from the graphs."""
-    counts = runner.step_counts
-    if variant.startswith("tbo") and not any(overlap == "tbo" for overlap, _ in counts):
-        raise CheckFailed(f"no step ran split: {dict(counts)}")
-    if variant == "sbo" and not any(overlap == "sbo" for overlap, _ in counts):
-        raise CheckFailed(f"no step ran single-batch overlap: {dict(counts)}")
-    if runner.device.type != "cuda" or "graphs" not in variant:
-        return
-    if runner.graph_runner is None:
-        raise CheckFailed("no CUDA graphs were captured")
-    if not runner.graph_runner.num_replays:
-        raise CheckFailed("no decode step replayed a CUDA graph")
-
-
 # How a runner with graphs decodes: from them, or eagerly (``eager``).
 MODES = {"graphs": contextlib.nullcontext, "eager": eager}
-
-
-def copy_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> float:
-    """Bytes per second a device-to-device copy moves (each byte read once and written once,
-    so 2 × the tensor's size per copy), timed with CUDA events on a GPU."""
-    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: first touch of the pages, the copy kernel loaded
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeat):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t = time.perf_counter()
-        for _ in range(repeat):
-            dst.copy_(src)
-        seconds = time.perf_counter() - t
-    return 2 * src.nbytes * repeat / seconds
-
-
-def floor_bytes(runner, batch_size: int, kv_tokens: int) -> int:
-    """What one decode step must read: ``DecodeWeights.read_by`` (all weights but the routed
-    experts, of which the share the batch can touch), less the embedding table but the batch's
-    rows (unless the LM head reads it), plus the KV cache of ``kv_tokens`` tokens."""
-    model = runner.model
-    read = DecodeWeights.of(model).read_by(batch_size)
-    embed = model.model.embed_tokens.weight
-    if getattr(model.lm_head, "weight", None) is not embed:
-        read -= embed.nbytes - batch_size * embed[0].nbytes
-    return read + kv_tokens * runner.token_to_kv_pool.bytes_per_token()
-
-
-def start_decoding(runner, ctx, inputs: list[list[int]], output_len: int):
-    """A fresh batch of ``inputs``, prefilled; its decode steps follow with ``decode_step``."""
-    ctx.req_to_token_pool.clear()
-    ctx.allocator.clear()
-    batch = make_batch(ctx, inputs, output_len)
-    batch.prepare_for_extend()
-    step(runner, batch)
-    return batch
-
-
-def decode_step(runner, batch) -> None:
-    batch.prepare_for_decode()
-    step(runner, batch)
-
-
-def merged_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by the intervals (overlaps counted once)."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-def step_counts(events, steps: int, wall: float) -> dict[str, float]:
-    """Per step: kernels (device events but copies and memsets), launch / sync / copy calls
-    (the CUDA runtime and driver calls kineto records on the host), and the device-busy share
-    (device events merged ÷ wall time). All zero on CPU, busy share NaN."""
-    from torch.autograd import DeviceType
-
-    device = [
-        e
-        for e in events
-        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-    ]
-    kernels = sum(not e.name.startswith(("Memcpy", "Memset")) for e in device)
-    calls = Counter(e.name for e in events if e.device_type == DeviceType.CPU)
-    busy_us = merged_length([(e.time_range.start, e.time_range.end) for e in device])
-    return {
-        "kernels": kernels / steps,
-        "launches": sum(calls[c] for c in LAUNCH_CALLS) / steps,
-        "syncs": sum(calls[c] for c in SYNC_CALLS) / steps,
-        "copies": sum(calls[c] for c in COPY_CALLS) / steps,
-        "busy": busy_us / (wall * 1e6) if device else math.nan,
-    }
-
-
-def profile_decode(runner, ctx, inputs: list[list[int]], steps: int) -> dict[str, float]:
-    """``step_counts`` over ``steps`` decode steps of ``inputs`` (prefilled, two steps warm)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch = start_decoding(runner, ctx, inputs, steps + 2)
-    for _ in range(2):
-        decode_step(runner, batch)
-    cuda = runner.device.type == "cuda"
-    # CUDA activity alone: kineto records the runtime and driver calls with it, and leaving the
-    # CPU operators out keeps the profiler's own cost off the host-bound eager steps.
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            decode_step(runner, batch)
-        sync(runner.device)
-        wall = time.perf_counter() - start
-    return step_counts(prof.events(), steps, wall)
 
 
 def timed_decode(args, runner, ctx, inputs: list[list[int]]) -> dict:
@@ -447,10 +249,14 @@ def main() -> int:
 
 
 def describe_device(device: torch.device) -> None:
-    import triton
-
+    try:  # a CPU install may have no Triton: the report runs there without it
+        import triton
+    except ImportError:
+        triton_version = "not installed"
+    else:
+        triton_version = triton.__version__
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device {name}, torch {torch.__version__}, triton {triton_version}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from make_tiny_models import default_model_path
 
 import srt.layers.linear as linear_module
 import srt.layers.moe.fused_moe as fused_moe_module
-from benchmark.offline import bench_one_batch
+from benchmark.common.static_batch import make_batch, make_runner, random_inputs, step
 from srt.layers import cpu_kernels
 from srt.server_args import ServerArgs
 
@@ -53,18 +53,18 @@ def run(runner, ctx, timer: GemmTimer, args, seed: int) -> dict[str, float]:
     ctx.req_to_token_pool.clear()
     ctx.allocator.clear()
     vocab = runner.model_config.vocab_size
-    inputs = bench_one_batch.random_inputs(vocab, args.batch_size, args.input_len, seed)
-    batch = bench_one_batch.make_batch(ctx, inputs, args.output_len)
+    inputs = random_inputs(vocab, args.batch_size, args.input_len, seed)
+    batch = make_batch(ctx, inputs, args.output_len)
     timer.take()
     start = time.perf_counter()
     batch.prepare_for_extend()
-    bench_one_batch.step(runner, batch)
+    step(runner, batch)
     prefill, prefill_gemm = time.perf_counter() - start, timer.take()
     steps = []
     for _ in range(args.output_len - 1):
         start = time.perf_counter()
         batch.prepare_for_decode()
-        bench_one_batch.step(runner, batch)
+        step(runner, batch)
         steps.append(time.perf_counter() - start)
     decode_gemm = timer.take() / max(1, len(steps))
     return {
@@ -88,7 +88,7 @@ def main() -> None:
     server_args = ServerArgs.from_cli_args(args)
     timer = GemmTimer()
     tokens = args.batch_size * (args.input_len + args.output_len)
-    runner, ctx = bench_one_batch.make_runner(server_args, args.batch_size, tokens)
+    runner, ctx = make_runner(server_args, args.batch_size, tokens)
     run(runner, ctx, timer, args, seed=0)
     for seed in range(1, args.repeat + 1):
         r = {k: 1000 * v for k, v in run(runner, ctx, timer, args, seed).items()}

@@ -20,7 +20,7 @@ import time
 
 from make_tiny_models import default_model_path
 
-from benchmark.offline.bench_one_batch import make_batch, make_runner, step
+from benchmark.common.static_batch import make_batch, make_runner, step
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 

@@ -33,142 +33,24 @@ import logging
 import multiprocessing as mp
 import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 from make_tiny_models import default_model_path
 
-from benchmark.common.process import free_port
-from benchmark.kernel.op_timeline import (
+from benchmark.common.hf_compare import compare_with_hf, load_hf_model
+from benchmark.common.op_timeline import (
     comm_seconds,
     matplotlib_missing,
     plot_layer,
     write_chrome_trace,
 )
-from benchmark.offline.hf_compare import compare_with_hf
+from benchmark.common.process import free_port
+from benchmark.common.static_batch import make_runner, random_inputs, report, run_once
 from srt.layers.overlap.operations import OperationObserver
-from srt.managers.schedule_batch import BatchContext, Req, ScheduleBatch
 from srt.managers.scheduler_process import init_rank_parallel_state
-from srt.mem_cache.chunk_cache import ChunkCache
-from srt.model_executor.model_runner import ModelRunner
-from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.utils.process import freeze_startup_heap
-
-
-def make_runner(server_args: ServerArgs, max_batch_size: int, max_tokens: int, parallel=None):
-    graphs = {}
-    if server_args.cuda_graph_bs is not None:  # CUDA: the batch measured has a graph of its own
-        sizes = {b for b in server_args.cuda_graph_bs if b <= max_batch_size} | {max_batch_size}
-        graphs = dict(cuda_graph_bs=sorted(sizes), cuda_graph_max_bs=None)
-    args = dataclasses.replace(
-        server_args,
-        max_total_tokens=max(max_tokens, 16),
-        max_running_requests=max_batch_size,
-        **graphs,
-    )
-    runner = ModelRunner(args, parallel=parallel)
-    cache = ChunkCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, runner.device)
-    ctx = BatchContext(
-        runner.req_to_token_pool,
-        runner.token_to_kv_pool_allocator,
-        cache,
-        runner.device,
-        runner.model_config.vocab_size,
-    )
-    return runner, ctx
-
-
-def make_batch(ctx: BatchContext, input_ids: list[list[int]], output_len: int) -> ScheduleBatch:
-    reqs = []
-    for i, ids in enumerate(input_ids):
-        # min_new_tokens masks EOS exactly as HF generate's min_new_tokens does.
-        params = SamplingParams(
-            max_new_tokens=output_len, min_new_tokens=output_len, temperature=0, ignore_eos=True
-        )
-        params.normalize(None)
-        req = Req(str(i), ids, params)
-        req.init_next_round_input(ctx.tree_cache)
-        reqs.append(req)
-    return ScheduleBatch(reqs, ctx)
-
-
-def step(runner: ModelRunner, batch: ScheduleBatch) -> list[int]:
-    forward_batch = batch.to_forward_batch(runner)
-    next_ids = runner.sample(runner.forward_step(forward_batch), forward_batch).tolist()
-    for req, tok in zip(batch.reqs, next_ids):
-        req.output_ids.append(tok)
-    return next_ids
-
-
-def run_once(
-    runner, ctx, input_ids: list[list[int]], output_len: int, verbose: bool, observer=None
-) -> dict:
-    """With an ``observer`` (recording) the result holds the operation events of the prefill
-    step and of the first decode step."""
-    ctx.req_to_token_pool.clear()
-    ctx.allocator.clear()
-    batch_size, input_len = len(input_ids), len(input_ids[0])
-    batch = make_batch(ctx, input_ids, output_len)
-    runner.set_operation_observer(observer)
-    events = {}
-    start = time.perf_counter()
-    batch.prepare_for_extend()
-    step(runner, batch)
-    prefill = time.perf_counter() - start
-    if observer is not None:
-        events["prefill"] = observer.take_events()
-    report(
-        verbose,
-        f"Prefill. latency: {prefill:6.5f} s, "
-        f"throughput: {batch_size * input_len / prefill:9.2f} token/s",
-    )
-    decode = []
-    for i in range(output_len - 1):
-        t = time.perf_counter()
-        batch.prepare_for_decode()
-        step(runner, batch)
-        decode.append(time.perf_counter() - t)
-        if observer is not None and i == 0:
-            events["decode"] = observer.take_events()
-        if i < 5:
-            report(
-                verbose,
-                f"Decode {i}. Batch size: {batch_size}, latency: {decode[-1]:6.5f} s,"
-                f" throughput: {batch_size / decode[-1]:9.2f} token/s",
-            )
-    total = time.perf_counter() - start
-    runner.set_operation_observer(None)
-    med = statistics.median(decode) if decode else float("nan")
-    report(
-        verbose,
-        f"Decode.  median latency: {med:6.5f} s, "
-        f"median throughput: {batch_size / med:9.2f} token/s",
-    )
-    tokens = batch_size * (input_len + output_len)
-    report(verbose, f"Total. latency: {total:6.3f} s, throughput: {tokens / total:9.2f} token/s")
-    return {
-        "batch_size": batch_size,
-        "input_len": input_len,
-        "output_len": output_len,
-        "prefill_latency": prefill,
-        "median_decode_latency": med,
-        "total_latency": total,
-        "output_ids": [r.output_ids for r in batch.reqs],
-        "events": events,
-    }
-
-
-def report(verbose: bool, line: str) -> None:
-    if verbose:
-        print(line, flush=True)
-
-
-def random_inputs(vocab: int, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, min(vocab, 500), (batch_size, input_len), generator=gen).tolist()
 
 
 def parse_args() -> tuple[argparse.Namespace, ServerArgs]:
@@ -221,16 +103,6 @@ def _variants(args: argparse.Namespace, server_args: ServerArgs) -> dict[str, Se
         sbo_communication_sms=None,
     )
     return {f"{kind}_off": off, f"{kind}_on": server_args}
-
-
-def load_hf_model(server_args: ServerArgs, runner: ModelRunner):
-    """HF transformers' model of the same checkpoint, on the runner's device and dtype."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        server_args.model_path, dtype=runner.model_config.dtype
-    )
-    return model.to(runner.device).eval()
 
 
 def bench_rank(rank: int, args: argparse.Namespace, server_args: ServerArgs, init) -> None:

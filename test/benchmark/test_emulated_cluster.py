@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from benchmark.cluster import emulated_cluster
+from benchmark.cluster import emulated_cluster, emulated_serving
 from benchmark.common.netns import list_namespaces, netns_available
 
 SUMMARY = re.compile(
@@ -51,7 +51,7 @@ def test_srt_args_reach_every_node_command():
         ["--quick", "--model-path", "/m", "--srt-args=--enable-dp-lm-head --log-level debug"]
     )
     cluster = type("Cluster", (), {"addrs": ["10.0.0.1", "10.0.0.2"]})()
-    flags = emulated_cluster.parallel_flags(args, cluster, 1)
+    flags = emulated_serving.parallel_flags(args, cluster, 1)
     assert flags[-3:] == ["--enable-dp-lm-head", "--log-level", "debug"]
     assert flags[flags.index("--node-rank") + 1] == "1"
 

@@ -1,11 +1,24 @@
-"""``bench_one_batch.py --compare-hf``: the same static batch through HF transformers (a
-forward for the prefill, ``generate`` for the whole), on the model's device, timed alike."""
+"""``bench_one_batch.py --compare-hf`` and the GPU report's last table: the same static batch
+through HF transformers (a forward for the prefill, ``generate`` for the whole), on the model's
+device, timed alike."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+
+from srt.server_args import ServerArgs
+
+
+def load_hf_model(server_args: ServerArgs, runner):
+    """HF transformers' model of the same checkpoint, on the runner's device and dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        server_args.model_path, dtype=runner.model_config.dtype
+    )
+    return model.to(runner.device).eval()
 
 
 def _sync(device: torch.device) -> None:
@@ -39,6 +52,8 @@ def hf_run(model, input_ids: list[list[int]], output_len: int) -> dict:
 
 
 def compare_with_hf(hf_model, inputs: list[list[int]], output_len: int, ours: dict) -> dict:
+    """Runs ``inputs`` through ``hf_model`` (after a warm-up), prints and returns the speed-ups
+    of ``ours`` (``run_once``'s result) and how many greedy outputs are identical."""
     hf_run(hf_model, [inputs[0][:8]], 2)  # warm-up
     ref = hf_run(hf_model, inputs, output_len)
     same = sum(a == b for a, b in zip(ours["output_ids"], ref["output_ids"]))

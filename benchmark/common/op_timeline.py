@@ -1,6 +1,8 @@
 """Timelines of layer operations recorded by ``OperationObserver(record=True)``: a Chrome /
 Perfetto trace (one row per micro-batch, one for the all-to-alls in flight) and a PNG of one
-layer's stages (matplotlib), plus the all-to-all time of a step.
+layer's stages (matplotlib), plus the all-to-all time of a step: ``bench_one_batch.py
+--profile``'s output, and the start-up check of ``--profile`` there and in
+``emulated_cluster.py``.
 
 An all-to-all is "in flight" from the start of its launch operation (``dispatch_a`` /
 ``combine_a``) to the end of its wait (``dispatch_b`` / ``combine_b``); under two-batch overlap
