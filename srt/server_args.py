@@ -33,12 +33,14 @@ from srt.server_args_choices import (
     SCHEDULE_POLICY_CHOICES,
     TOOL_CALL_PARSER_CHOICES,
 )
+from srt.server_args_debug import DebugArgs, apply_env_aliases
 from srt.server_args_overlap import OverlapArgs, _arg
 
 
 @dataclass
-class ServerArgs(OverlapArgs):
-    """Every flag: the overlap ones (``OverlapArgs``) first, then these."""
+class ServerArgs(DebugArgs, OverlapArgs):
+    """Every flag: the overlap ones (``OverlapArgs``) and the debugging ones (``DebugArgs``)
+    first, then these."""
 
     # Model and tokenizer
     model_path: str | None = field(
@@ -356,7 +358,9 @@ class ServerArgs(OverlapArgs):
 
     # ----------------------------------------------------------------------------------
     def check_and_resolve(self) -> None:
-        """Validate every flag once and resolve the "auto" values."""
+        """Validate every flag once and resolve the "auto" values (and the environment
+        variables that alias flags)."""
+        apply_env_aliases(self)
         if self.model_path is None:
             raise ValueError("--model-path is required: a Hugging Face model directory")
         if self.tokenizer_path is None:
@@ -464,9 +468,10 @@ class ServerArgs(OverlapArgs):
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         groups: dict[str, argparse._ArgumentGroup] = {}
-        base = {f.name for f in dataclasses.fields(OverlapArgs)}
-        # the overlap flags (a base class: its fields come first) after the others in --help
-        for f in sorted(dataclasses.fields(ServerArgs), key=lambda f: f.name in base):
+        later = [{f.name for f in dataclasses.fields(base)} for base in (OverlapArgs, DebugArgs)]
+        # the base classes' flags (their fields come first) after the others in --help
+        order = lambda f: next((i + 1 for i, names in enumerate(later) if f.name in names), 0)
+        for f in sorted(dataclasses.fields(ServerArgs), key=order):
             meta = dict(f.metadata)
             group = meta.pop("group")
             if group not in groups:

@@ -117,6 +117,6 @@ class OverlapArgs:
         metadata=_arg(
             "overlap",
             "Wrap every layer operation in a torch.profiler record_function marker (also: "
-            "environment SRT_OPERATION_PROFILE=1).",
+            "environment SRT_OPERATION_PROFILE=1, srt.server_args_debug).",
         ),
     )

@@ -19,6 +19,7 @@ from srt.managers.tokenizer_manager import TokenizerManager
 from srt.model_executor.cpu_threads import limit_openmp_spin
 from srt.model_loader.config import ModelConfig
 from srt.server_args import ServerArgs
+from srt.utils import stream_trace
 from srt.utils.ipc import PortArgs
 from srt.utils.process import (
     Child,
@@ -45,6 +46,7 @@ class Runtime:
         self.watchdog.stopping = True
         kill_children(self.children)
         self.tokenizer_manager.close()
+        stream_trace.close()
         _remove_ipc_dir(self.port_args)
 
 
@@ -121,6 +123,7 @@ def launch_subprocesses(server_args: ServerArgs, exit_on_child_death: bool) -> R
                 raise RuntimeError(f"{child.name} exited during start-up")
             if infos[0].get("front_end_core"):
                 yield_to_ranks_on_wakeup(child.process.pid)
+        stream_trace.start(server_args.stream_trace_dir)  # this process: the front end
         tm = TokenizerManager(server_args, port_args, infos[0])
     except BaseException:
         kill_children(children)

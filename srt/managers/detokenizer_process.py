@@ -16,6 +16,7 @@ from srt.utils.process import freeze_startup_heap, set_parent_death_signal
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs) -> None:
     set_parent_death_signal()
     configure_logging(server_args.log_level, prefix="detokenizer")
+    stream_trace.start(server_args.stream_trace_dir)
     from transformers import AutoTokenizer
 
     manager = DetokenizerManager(AutoTokenizer.from_pretrained(server_args.tokenizer_path))

@@ -196,6 +196,7 @@ def run_scheduler_process(
         attn_tp = server_args.tp_size // server_args.dp_size
         tag = f"scheduler DP{tp_rank // attn_tp} TP{tp_rank}"
     configure_logging(server_args.log_level, prefix=tag)
+    stream_trace.start(server_args.stream_trace_dir)
     try:
         parallel = init_rank_parallel_state(server_args, port_args, tp_rank)
         scheduler = Scheduler(server_args, parallel=parallel)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import Counter
 
 import torch
@@ -127,8 +126,8 @@ class ModelRunner:
         self.split_mla_decode_tail = True
         # Fail any host synchronisation inside ``forward`` (``srt.utils.sync_guard``): the tests
         # set it, on CPU too, to keep the step device-resident and capturable.
-        self.forbid_host_sync = os.environ.get("SRT_FORBID_HOST_SYNC") == "1"
-        if server_args.enable_operation_profile or os.environ.get("SRT_OPERATION_PROFILE"):
+        self.forbid_host_sync = server_args.forbid_host_sync
+        if server_args.enable_operation_profile:
             self.set_operation_observer(OperationObserver())
         self.graph_runner: CudaGraphRunner | None = None
         if self.step_overlap.policy is not None:

@@ -1,8 +1,9 @@
 """Per-token timestamps of streams across srt's processes, to find where the time between two
 chunks of a stream goes (``benchmark/serving/stream_timeline.py`` reads them).
 
-Off unless the environment variable ``SRT_STREAM_TRACE`` names a folder when a process starts;
-then each process appends one line per request and message, ``time stage rid tokens``, to
+Off unless ``--stream-trace-dir`` (or the environment variable ``SRT_STREAM_TRACE``, its alias:
+``srt.server_args_debug``) names a folder: each process calls ``start`` with it when it starts,
+and then appends one line per request and message, ``time stage rid tokens``, to
 ``<folder>/<stage>-<pid>.log``: ``time`` is ``time.monotonic()`` (one clock for the processes
 of a machine), ``tokens`` the request's output tokens so far. Stages: ``submitted`` (the HTTP
 process sends the request to the scheduler) and ``received`` (the scheduler takes it in), both
@@ -20,15 +21,34 @@ processes on its cores.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-ENV = "SRT_STREAM_TRACE"
-_folder = os.environ.get(ENV) or None
+_folder: str | None = None  # this process's trace folder, set by ``start``
 _files: dict[str, TextIO] = {}
+
+
+def start(folder: str | None) -> None:
+    """Trace this process into ``folder`` (None: off); its files close at exit."""
+    global _folder
+    close()
+    _folder = folder
+
+
+def close() -> None:
+    """Close this process's trace files and stop tracing."""
+    global _folder
+    for f in _files.values():
+        f.close()
+    _files.clear()
+    _folder = None
+
+
+atexit.register(close)
 
 
 def enabled() -> bool:

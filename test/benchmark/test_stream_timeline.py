@@ -10,30 +10,33 @@ from benchmark.serving import stream_timeline
 from srt.utils import stream_trace
 
 
-def test_trace_lines_are_written_only_when_enabled(tmp_path, monkeypatch):
-    monkeypatch.setattr(stream_trace, "_folder", None)
+def test_trace_lines_are_written_only_when_enabled(tmp_path):
+    stream_trace.start(None)
     stream_trace.record("scheduler", ["a"], [1])
     assert not stream_trace.enabled() and list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(stream_trace, "_folder", str(tmp_path))
-    monkeypatch.setattr(stream_trace, "_files", {})
-    stream_trace.record("scheduler", ["a", "b"], [1, 3])
+    stream_trace.start(str(tmp_path))
+    try:
+        stream_trace.record("scheduler", ["a", "b"], [1, 3])
+    finally:
+        stream_trace.close()
+    assert not stream_trace.enabled()
     trace = stream_timeline.load_trace(tmp_path)
     assert set(trace) == {("a", 1), ("b", 3)} and set(trace["a", 1]) == {"scheduler"}
 
 
-def test_forward_steps_are_logged_with_their_wait_for_a_core(tmp_path, monkeypatch):
-    monkeypatch.setattr(stream_trace, "_folder", None)
+def test_forward_steps_are_logged_with_their_wait_for_a_core(tmp_path):
+    stream_trace.start(None)
     with stream_trace.forward_step("DECODE", 4, 4):
         pass
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(stream_trace, "_folder", str(tmp_path))
-    monkeypatch.setattr(stream_trace, "_files", {})
-    stream_trace.record("scheduler", ["a"], [1])
-    with stream_trace.forward_step("MIXED", 3, 130):
-        sum(range(10_000))
-    ((end, mode, seqs, tokens, threads, wall, waited),) = stream_timeline.load_steps(
-        tmp_path
-    )
+    stream_trace.start(str(tmp_path))
+    try:
+        stream_trace.record("scheduler", ["a"], [1])
+        with stream_trace.forward_step("MIXED", 3, 130):
+            sum(range(10_000))
+    finally:
+        stream_trace.close()
+    ((end, mode, seqs, tokens, threads, wall, waited),) = stream_timeline.load_steps(tmp_path)
     assert (mode, seqs, tokens, threads) == ("MIXED", 3, 130, torch.get_num_threads())
     assert wall > 0 and (waited >= 0 or waited == -1)
     assert set(stream_timeline.load_trace(tmp_path)) == {("a", 1)}  # step lines are not tokens
@@ -58,7 +61,10 @@ def test_analysis_counts_tokens_per_chunk_and_splits_long_gaps():
     assert a["long_gap_forwards"] == {"mixed on 1": 1}
     assert (a["long_gap_forward_ms"], a["long_gap_waited_ms"]) == (39.0, 30.0)
     assert a["steps"]["decode on 1"] == {
-        "steps": 3, "wall_median_ms": 9.0, "wall_max_ms": 10.0, "waited_ms": 0.5,
+        "steps": 3,
+        "wall_median_ms": 9.0,
+        "wall_max_ms": 10.0,
+        "waited_ms": 0.5,
         "waited_in_longest_ms": 0.5,
     }  # fmt: skip (the arrivals span 14-85 ms: the first step falls outside)
     assert "mixed on 1 steps: 1" in stream_timeline.report(16, a)
