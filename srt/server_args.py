@@ -19,10 +19,13 @@ from srt.server_args_checks import (
     check_parallel,
     check_ranges,
     low_latency_fit,
+    resolve_burst_prefill,
 )
 from srt.server_args_choices import (
     ATTENTION_BACKEND_CHOICES,
+    BURST_QUIET_S,
     DEEPEP_MODE_CHOICES,
+    DEFAULT_BURST_CHUNK_SIZE,
     DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
@@ -151,23 +154,36 @@ class ServerArgs(DebugArgs, OverlapArgs):
         metadata=_arg(
             "memory",
             "While requests decode and new ones are still arriving (the last one less than "
-            "10 ms ago), hold their prefill, up to this long after the oldest of them "
-            "arrived, so that a burst is prefilled at once and the running requests pay one "
-            "gap, not one per fragment; never when the waiting prompts fill a prefill batch. "
-            "0 prefills whatever has arrived at once.",
+            f"{BURST_QUIET_S * 1e3:g} ms ago), hold their prefill, up to this long after the "
+            "oldest of them arrived, so that a burst is prefilled at once and the running "
+            "requests pay one gap, not one per fragment; never when the waiting prompts fill a "
+            "prefill batch (a wave's: --wave-prefill). 0 prefills whatever has arrived at once.",
         ),
     )
     burst_chunk_size: int | None = field(
         default=None,
         metadata=_arg(
             "memory",
-            "While requests decode and the waiting prompts need more than one prefill batch, "
-            "prefill them in mixed batches of at most this many new tokens, the running "
-            "requests decoding in each, so that their streams go on through the burst; but "
-            "while more requests wait than decode, prefill the burst in one batch of up to "
-            "--max-prefill-tokens (each prompt still chunked at --chunked-prefill-size), so "
-            "that only the few running streams wait for it; -1 disables both. Default 512 on "
-            "CPU without an overlap mode, else -1.",
+            "While requests decode (fewer than this many) and the waiting prompts need more "
+            "than one prefill batch (or one is mid-chunk), prefill them in mixed batches of at "
+            "most this many new tokens, the running requests decoding in each, so that their "
+            "streams go on through the burst, unless a wave takes them (--wave-prefill); -1: "
+            "in prefill batches back to back. Default "
+            f"{DEFAULT_BURST_CHUNK_SIZE} on CPU without an overlap mode where a prefill batch "
+            "holds more, else -1.",
+        ),
+    )
+    wave_prefill: bool | None = field(
+        default=None,
+        metadata=_arg(
+            "memory",
+            "While more requests wait than decode and their prompts (none over a prefill "
+            "batch) need more than one prefill batch, prefill them in one batch of up to "
+            "--max-prefill-tokens, so that only the few running streams wait for it; needs "
+            "--max-prefill-tokens above --chunked-prefill-size. --no-wave-prefill: in prefill "
+            "batches (spread where --burst-chunk-size is set). Default: on where "
+            f"--burst-chunk-size defaults to {DEFAULT_BURST_CHUNK_SIZE} and "
+            "--max-prefill-tokens allows it.",
         ),
     )
     disable_radix_cache: bool = field(
@@ -375,7 +391,7 @@ class ServerArgs(DebugArgs, OverlapArgs):
         check_ranges(self)
         check_parallel(self)
         check_overlap(self)
-        self._resolve_burst_chunk_size()
+        resolve_burst_prefill(self)
         check_kernels(self)
         if self.device == "cuda":
             check_gpus_per_node(self)
@@ -394,19 +410,6 @@ class ServerArgs(DebugArgs, OverlapArgs):
             self.max_running_requests = running
         if self.max_queued_requests is None:
             self.max_queued_requests = 4 * self.max_running_requests * self.num_running_groups
-
-    def _resolve_burst_chunk_size(self) -> None:
-        """512 on CPU where it is smaller than a prefill batch; never under an overlap mode,
-        which runs mixed batches unsplit. An explicit value must be under a prefill batch."""
-        batch = self.prefill_batch_tokens
-        if self.burst_chunk_size is None:
-            plain_cpu = self.device == "cpu" and self.overlap_mode == "off"
-            self.burst_chunk_size = 512 if plain_cpu and 512 < batch else -1
-        elif self.burst_chunk_size >= batch:
-            raise ValueError(
-                f"--burst-chunk-size: must be under a prefill batch ({batch} tokens: "
-                "--chunked-prefill-size, --max-prefill-tokens), or -1"
-            )
 
     @property
     def mixes_decode_into_prefill(self) -> bool:
@@ -479,6 +482,9 @@ class ServerArgs(DebugArgs, OverlapArgs):
             flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", [])]
             if f.type in ("bool", bool):
                 groups[group].add_argument(*flags, action="store_true", **meta)
+                continue
+            if f.type == "bool | None":  # --x / --no-x; None: resolved at start-up
+                groups[group].add_argument(*flags, action=argparse.BooleanOptionalAction, **meta)
                 continue
             kind = {"int": int, "float": float, "list[int]": int}.get(
                 str(f.type).replace(" | None", ""), str

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from srt.server_args_choices import (
     ATTENTION_BACKEND_CHOICES,
+    DEFAULT_BURST_CHUNK_SIZE,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     GRAMMAR_BACKEND_CHOICES,
@@ -97,6 +98,31 @@ def check_ranges(args: ServerArgs) -> None:
         ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
     ):
         require(getattr(args, name) in choices, name, f"must be one of {choices}")
+
+
+def resolve_burst_prefill(args: ServerArgs) -> None:
+    """--burst-chunk-size and --wave-prefill. The spread's chunk defaults to
+    DEFAULT_BURST_CHUNK_SIZE on CPU where a prefill batch holds more, never under an overlap
+    mode (it runs mixed batches unsplit); the wave defaults to on where the spread does (the
+    two were measured together, docs/benchmarks.md round 18) and a wave can exceed a batch.
+    Explicit values must do something: a chunk under a batch, a wave budget above one."""
+    batch = args.prefill_batch_tokens
+    plain_cpu = args.device == "cpu" and args.overlap_mode == "off"
+    spreads_by_default = plain_cpu and DEFAULT_BURST_CHUNK_SIZE < batch
+    if args.burst_chunk_size is None:
+        args.burst_chunk_size = DEFAULT_BURST_CHUNK_SIZE if spreads_by_default else -1
+    elif args.burst_chunk_size >= batch:
+        raise ValueError(
+            f"--burst-chunk-size: must be under a prefill batch ({batch} tokens: "
+            "--chunked-prefill-size, --max-prefill-tokens), or -1"
+        )
+    if args.wave_prefill is None:
+        args.wave_prefill = spreads_by_default and args.max_prefill_tokens > batch
+    elif args.wave_prefill and args.max_prefill_tokens <= batch:
+        raise ValueError(
+            f"--wave-prefill: a wave needs --max-prefill-tokens ({args.max_prefill_tokens}) "
+            f"above a prefill batch ({batch} tokens, --chunked-prefill-size)"
+        )
 
 
 def low_latency_fit(args: ServerArgs) -> int:

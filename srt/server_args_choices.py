@@ -16,6 +16,10 @@ GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
 LOG_LEVEL_CHOICES = ["debug", "info", "warning", "error"]
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
+# A burst has arrived once no request came for this long (BurstPolicy, --prefill-burst-hold-ms).
+BURST_QUIET_S = 0.01
+# --burst-chunk-size's default on CPU without an overlap mode.
+DEFAULT_BURST_CHUNK_SIZE = 512
 NO_DEEPEP = (
     "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
     "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"

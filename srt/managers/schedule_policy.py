@@ -12,9 +12,10 @@ spread over mixed batches.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any
+from typing import Any, NamedTuple
 
 from srt.managers.schedule_batch import BatchContext, Req
+from srt.server_args_choices import BURST_QUIET_S
 
 # SGLang's CLIP_MAX_NEW_TOKENS_ESTIMATION: reserve at most this many decode tokens per request.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -24,8 +25,6 @@ MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20
 LPM_MAX_QUEUE = 128
-# A burst has arrived once no request came for this long (BurstPolicy).
-BURST_QUIET_S = 0.01
 
 
 class NewTokenRatio:
@@ -65,6 +64,23 @@ class SchedulePolicy:
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 
 
+class PrefillKind(Enum):
+    """How the next prefill takes a burst (BurstPolicy)."""
+
+    PLAIN = auto()  # batches of the prefill batch budget
+    WAVE = auto()  # the whole burst in one batch of the wave budget
+    SPREAD = auto()  # mixed batches of the spread chunk, the running requests decoding in each
+
+
+class PrefillShape(NamedTuple):
+    """The next prefill batch: its kind, the running requests' decode tokens that ride in it
+    (one each; 0: the batch is not mixed) and its chunk budget."""
+
+    kind: PrefillKind
+    num_mixed_decode: int
+    chunk_tokens: int
+
+
 class BurstPolicy:
     """How a burst of new requests is prefilled while other requests decode.
 
@@ -82,18 +98,23 @@ class BurstPolicy:
 
     A burst that needs more than one prefill batch would run its batches back to back
     (prefill first), every stream started by one batch stopped for the next ones. Two ways out,
-    both only where ``spread_chunk`` is set:
+    each on its own switch:
 
-    Wave: while more requests wait than decode (a wave of new requests reaching a server that
-    is idle or nearly so), the burst is prefilled in one batch of up to ``wave_budget`` tokens
-    (--max-prefill-tokens), each prompt within a batch (``budget``), so a prompt is still
-    chunked as before: only the few running streams pay one gap, where batches back to back or
-    a spread would stop every stream that an earlier batch started (at c32 on 2 cores, the 32
-    streams of a one-wave run took 3-5 spread steps of 12-25 ms each, 3-4x their TPOT).
+    Wave (``wave_budget`` above ``budget``): while more requests wait than decode (a wave of
+    new requests reaching a server that is idle or nearly so), the burst is prefilled in one
+    batch of up to ``wave_budget`` tokens (--max-prefill-tokens), each prompt within a batch
+    (``budget``), so a prompt is still chunked as before: only the few running streams pay one
+    gap, where batches back to back or a spread would stop every stream that an earlier batch
+    started (at c32 on 2 cores, the 32 streams of a one-wave run took 3-5 spread steps of
+    12-25 ms each, 3-4x their TPOT).
 
-    Spread: otherwise (more requests decode than wait) the burst is prefilled in MIXED batches
-    of at most ``spread_chunk`` new tokens, the running requests decoding in each: many short
-    gaps in place of one long one for each of the many running streams.
+    Spread (``spread_chunk`` set): otherwise (more requests decode than wait) the burst is
+    prefilled in MIXED batches of at most ``spread_chunk`` new tokens, the running requests
+    decoding in each: many short gaps in place of one long one for each of the many running
+    streams.
+
+    ``holds`` and ``prefill_kind`` only answer; the scheduler counts what it did with
+    ``record_hold`` and ``record_prefill``.
     """
 
     def __init__(self, hold_s: float, budget: int, spread_chunk: int, wave_budget: int = 0):
@@ -106,42 +127,42 @@ class BurstPolicy:
         self.last_arrival = now
 
     def holds(self, waiting: list[Req], num_running: int, now: float) -> bool:
+        """Whether the next prefill waits for the rest of the burst."""
         if not (self.hold_s and num_running and waiting):
             return False
         if now - self.last_arrival >= BURST_QUIET_S:
             return False
         if now - min(r.arrival_time for r in waiting) >= self.hold_s:
             return False
-        wave = self.is_wave(waiting, False, num_running)
-        if _prompt_tokens(waiting) >= (self.wave_budget if wave else self.budget):
-            return False
-        self.num_holds += 1
-        return True
+        wave = self.prefill_kind(waiting, False, num_running) is PrefillKind.WAVE
+        return _prompt_tokens(waiting) < (self.wave_budget if wave else self.budget)
 
-    def is_wave(self, waiting: list[Req], chunking: bool, num_running: int) -> bool:
-        """Whether the next prefill takes the waiting burst in one batch of ``wave_budget``
-        (``chunking``: a prompt is mid-prefill, which goes on in batches of ``budget``)."""
-        if self.spread_chunk <= 0 or self.wave_budget <= self.budget or chunking:
-            return False
-        if len(waiting) <= num_running:
+    def prefill_kind(self, waiting: list[Req], chunking: bool, num_running: int) -> PrefillKind:
+        """How the next prefill takes the waiting burst (``chunking``: a prompt is mid-prefill,
+        which goes on in batches of ``budget``)."""
+        if self._is_wave(waiting, chunking, num_running):
+            return PrefillKind.WAVE
+        if not 0 < self.spread_chunk < self.budget or not 0 < num_running < self.spread_chunk:
+            return PrefillKind.PLAIN
+        if chunking or _prompt_tokens(waiting) > self.budget:
+            return PrefillKind.SPREAD
+        return PrefillKind.PLAIN
+
+    def _is_wave(self, waiting: list[Req], chunking: bool, num_running: int) -> bool:
+        if self.wave_budget <= self.budget or chunking or len(waiting) <= num_running:
             return False
         return max(len(r.origin_input_ids) for r in waiting) <= self.budget
 
-    def waves(self, waiting: list[Req], chunking: bool, num_running: int) -> bool:
-        """``is_wave`` for the prefill about to be built; counts the waves larger than a batch."""
-        wave = self.is_wave(waiting, chunking, num_running)
-        if wave and _prompt_tokens(waiting) > self.budget:
-            self.num_wave_batches += 1
-        return wave
+    def record_hold(self) -> None:
+        self.num_holds += 1
 
-    def spreads(self, waiting: list[Req], chunking: bool, num_running: int) -> bool:
-        """Whether the next prefill is a spread one (``chunking``: a prompt is mid-prefill)."""
-        if not 0 < self.spread_chunk < self.budget or not 0 < num_running < self.spread_chunk:
-            return False
-        if chunking or _prompt_tokens(waiting) > self.budget:
+    def record_prefill(self, kind: PrefillKind, num_new_tokens: int) -> None:
+        """Count a prefill batch formed as ``kind``: every spread one, and the waves that carry
+        more than one prefill batch (a smaller wave is the batch a plain prefill would be)."""
+        if kind is PrefillKind.SPREAD:
             self.num_spread_batches += 1
-            return True
-        return False
+        elif kind is PrefillKind.WAVE and num_new_tokens > self.budget:
+            self.num_wave_batches += 1
 
 
 def _prompt_tokens(reqs: list[Req]) -> int:

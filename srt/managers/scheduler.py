@@ -18,6 +18,8 @@ from srt.managers.schedule_policy import (
     BurstPolicy,
     NewTokenRatio,
     PrefillAdder,
+    PrefillKind,
+    PrefillShape,
     SchedulePolicy,
 )
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
@@ -109,7 +111,7 @@ class Scheduler:
             args.prefill_burst_hold_ms / 1e3,
             args.prefill_batch_tokens,
             args.burst_chunk_size,
-            args.max_prefill_tokens,
+            args.max_prefill_tokens if args.wave_prefill else 0,
         )
         self.output_processor = SchedulerOutputProcessor(
             self.tree_cache, self.tokenizer, self.server_args.stream_interval
@@ -253,20 +255,21 @@ class Scheduler:
         running = self.running_batch.reqs
         waiting = self.waiting_queue
         if self.chunked_req is None and self.burst.holds(waiting, len(running), self.now()):
+            self.burst.record_hold()
             return None  # the running requests decode while the rest of the burst arrives
         max_new_reqs = min(
             self.max_running_requests - len(running),
             self.ctx.req_to_token_pool.available_size() + (self.chunked_req is not None),
         )
-        mixed, chunk = self._prefill_shape()
+        shape = self._prefill_shape()
         adder = PrefillAdder(
             self.ctx,
             running,
             self.new_token_ratio.value,
             self.server_args.max_prefill_tokens,
-            chunk,
+            shape.chunk_tokens,
             max_new_reqs,
-            mixed,
+            shape.num_mixed_decode,
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
@@ -276,30 +279,32 @@ class Scheduler:
                 req.init_next_round_input(self.tree_cache)
                 if adder.add_one_req(req) != AddReqResult.CONTINUE:
                     break
-        return self._make_prefill_batch(adder, mix=mixed > 0)
+        return self._make_prefill_batch(adder, shape)
 
-    def _prefill_shape(self) -> tuple[int, int]:
-        """The next prefill's decode tokens (the running requests that ride in its batch, one
-        token each) and its chunk budget: a wave (BurstPolicy: more requests wait than run)
+    def _prefill_shape(self) -> PrefillShape:
+        """The next prefill's kind, decode tokens (the running requests that ride in its batch,
+        one token each) and chunk budget: a wave (BurstPolicy: more requests wait than run)
         takes the whole burst in one batch of --max-prefill-tokens; a burst's spread prefill
         carries them in chunks of --burst-chunk-size; with mixed batches on
         (--enable-mixed-chunk, the default on CPU: ``ServerArgs.mixes_decode_into_prefill``)
         every prefill carries them (not when they would leave it no room)."""
         args, num_running = self.server_args, len(self.running_batch.reqs)
         chunking = self.chunked_req is not None
-        if self.burst.waves(self.waiting_queue, chunking, num_running):
-            mixed = num_running if args.mixes_decode_into_prefill else 0
-            return mixed, self.burst.wave_budget
-        if self.burst.spreads(self.waiting_queue, chunking, num_running):
-            return num_running, args.burst_chunk_size
-        if args.mixes_decode_into_prefill and num_running < args.prefill_batch_tokens:
-            return num_running, args.chunked_prefill_size
-        return 0, args.chunked_prefill_size
+        kind = self.burst.prefill_kind(self.waiting_queue, chunking, num_running)
+        mixes = args.mixes_decode_into_prefill
+        if kind is PrefillKind.WAVE:
+            return PrefillShape(kind, num_running if mixes else 0, self.burst.wave_budget)
+        if kind is PrefillKind.SPREAD:
+            return PrefillShape(kind, num_running, args.burst_chunk_size)
+        if mixes and num_running < args.prefill_batch_tokens:
+            return PrefillShape(kind, num_running, args.chunked_prefill_size)
+        return PrefillShape(kind, 0, args.chunked_prefill_size)
 
-    def _make_prefill_batch(self, adder: PrefillAdder, mix: bool) -> ScheduleBatch | None:
+    def _make_prefill_batch(self, adder: PrefillAdder, shape: PrefillShape) -> ScheduleBatch | None:
         can_run = adder.can_run_list
         if not can_run:
             return None
+        self.burst.record_prefill(shape.kind, sum(r.extend_input_len for r in can_run))
         admitted = {id(r) for r in can_run}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
@@ -310,7 +315,7 @@ class Scheduler:
         batch.prepare_for_extend()
         # The running requests join it when the pool has a slot for each (else they decode
         # in the next step, retracting as usual); they come back from it as running.
-        if mix and self.running_batch.check_decode_mem():
+        if shape.num_mixed_decode and self.running_batch.check_decode_mem():
             batch.mix_with_running(self.running_batch.reqs)
             self.running_batch.reqs = []
         return batch

@@ -4,6 +4,7 @@ finishes leave no leaked slots."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -272,6 +273,27 @@ def test_stream_interval_flag_is_checked(qwen3_moe_path):
     assert tbo.burst_chunk_size == -1  # mixed batches run unsplit: no default spreading
 
 
+def test_wave_prefill_flag(qwen3_moe_path):
+    """--wave-prefill is on where --burst-chunk-size defaults to a chunk and a wave can exceed a
+    prefill batch; --burst-chunk-size -1 turns off the spread only; a wave that could not
+    exceed a batch is refused; the CLI takes --wave-prefill / --no-wave-prefill."""
+    cpu = dict(model_path=qwen3_moe_path, device="cpu")
+    assert ServerArgs(**cpu).wave_prefill is True
+    assert ServerArgs(**cpu, burst_chunk_size=-1).wave_prefill is True
+    assert ServerArgs(**cpu, chunked_prefill_size=256).wave_prefill is False
+    assert ServerArgs(**cpu, max_prefill_tokens=2048).wave_prefill is False
+    tbo = ServerArgs(**cpu, overlap_mode="tbo", moe_a2a_backend="torch")
+    assert tbo.wave_prefill is False
+    assert ServerArgs(**cpu, wave_prefill=False).burst_chunk_size == 512
+    with pytest.raises(ValueError, match="--wave-prefill: a wave needs --max-prefill-tokens"):
+        ServerArgs(**cpu, chunked_prefill_size=-1, wave_prefill=True)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args([]).wave_prefill is None
+    assert parser.parse_args(["--wave-prefill"]).wave_prefill is True
+    assert parser.parse_args(["--no-wave-prefill"]).wave_prefill is False
+
+
 def test_mixed_batches_default(qwen3_moe_path):
     """Mixed batches are the default on CPU without an overlap mode; the explicit flags win,
     and both at once is a start-up error naming the flag."""
@@ -286,9 +308,10 @@ def test_mixed_batches_default(qwen3_moe_path):
         ServerArgs(model_path=qwen3_moe_path, enable_mixed_chunk=True, disable_mixed_chunk=True)
 
 
-def _burst_batches(qwen3_moe_path, spread: int, num_early: int):
-    """``num_early`` requests decode when 3 prompts of 6 tokens arrive (more than a batch of
-    16); the outputs of every request and the shapes of the 3 steps after the early prefill."""
+def _burst_batches(qwen3_moe_path, spread: int, num_early: int, num_burst: int = 3, **kwargs):
+    """``num_early`` requests decode (12 tokens each) when ``num_burst`` prompts of 6 tokens
+    arrive (3 are more than a batch of 16); the outputs of every request, the shapes of the
+    steps after the early prefill, and the (spread, wave) batch counts."""
     args = ServerArgs(
         model_path=qwen3_moe_path,
         max_total_tokens=512,
@@ -296,19 +319,20 @@ def _burst_batches(qwen3_moe_path, spread: int, num_early: int):
         burst_chunk_size=spread,
         prefill_burst_hold_ms=0,
         disable_mixed_chunk=True,  # each prefill not spread in a batch of its own
+        **kwargs,
     )
     scheduler = Scheduler(args)
     reqs, shapes = _record_batches(scheduler)
     for i in range(num_early):
         scheduler.add_request(_tokenized(f"early{i}", [5 + i, 6, 7], max_new_tokens=12))
     _step(scheduler, {})  # the early prefill; they decode from now on
-    for i in range(3):
+    for i in range(num_burst):
         scheduler.add_request(_tokenized(f"b{i}", list(range(10 + i, 16 + i)), 4))
     _run_until_idle(scheduler)
     scheduler.check_memory()
     state = scheduler.get_internal_state()
     counts = state["num_spread_prefill_batches"], state["num_wave_prefill_batches"]
-    return {rid: r.output_ids for rid, r in reqs.items()}, shapes[1:4], counts
+    return {rid: r.output_ids for rid, r in reqs.items()}, shapes[1:], counts
 
 
 def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
@@ -316,11 +340,11 @@ def test_burst_larger_than_a_batch_is_spread(qwen3_moe_path):
     batch go in MIXED batches of --burst-chunk-size, the running requests decoding in each,
     where they would otherwise be prefilled back to back; the outputs are the same."""
     outputs, shapes, counts = _burst_batches(qwen3_moe_path, -1, num_early=3)
-    assert shapes == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
+    assert shapes[:3] == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
     assert counts == (0, 0)
     spread_outputs, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=3)
     # 8 tokens a batch, one per running request: b0, then b1, then b2 in chunks
-    assert shapes == [
+    assert shapes[:3] == [
         ("MIXED", [5, 1, 1, 1]),
         ("MIXED", [1, 4, 1, 1, 1]),
         ("MIXED", [2, 2, 1, 1, 1, 1]),
@@ -333,13 +357,41 @@ def test_burst_wave_is_one_batch(qwen3_moe_path):
     """While more requests wait than decode (a wave reaching a server that is nearly idle),
     a burst larger than a prefill batch is prefilled in one batch of up to
     --max-prefill-tokens: the one running stream pays one gap, and no stream started by a
-    first batch waits for a second; the outputs are the same."""
-    outputs, shapes, counts = _burst_batches(qwen3_moe_path, -1, num_early=1)
-    assert shapes == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
-    wave_outputs, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=1)
-    assert shapes == [("EXTEND", [6, 6, 6]), ("DECODE", []), ("DECODE", [])]
+    first batch waits for a second; the outputs are the same. It has a switch of its own:
+    --burst-chunk-size -1 leaves it on, and under --no-wave-prefill the burst is spread."""
+    outputs, shapes, counts = _burst_batches(qwen3_moe_path, -1, num_early=1, wave_prefill=False)
+    assert shapes[:3] == [("EXTEND", [6, 6, 4]), ("EXTEND", [2]), ("DECODE", [])]
+    assert counts == (0, 0)
+    # --burst-chunk-size -1 turns off the spread only
+    wave_outputs, shapes, counts = _burst_batches(
+        qwen3_moe_path, -1, num_early=1, wave_prefill=True
+    )
+    assert shapes[:3] == [("EXTEND", [6, 6, 6]), ("DECODE", []), ("DECODE", [])]
     assert counts == (0, 1)
     assert wave_outputs == outputs
+    # --no-wave-prefill: the same burst is spread, 8 tokens a batch with early decoding
+    spread_outputs, shapes, counts = _burst_batches(qwen3_moe_path, 8, 1, wave_prefill=False)
+    assert shapes[:3] == [("MIXED", [6, 1, 1]), ("MIXED", [5, 1, 1, 1]), ("MIXED", [5, 1, 1, 1])]
+    assert counts == (3, 0)
+    assert spread_outputs == outputs
+
+
+def test_burst_counters_count_batches_not_attempts(qwen3_moe_path):
+    """num_spread_prefill_batches and num_wave_prefill_batches count the batches formed, not
+    the steps that were due one: while the running requests fill --max-running-requests, the
+    burst waits and no decode step in between may count."""
+    # 3 decode, 3 wait (18 tokens, more than a batch): a spread is due in each of the 11 decode
+    # steps, but no request may join; once the 3 finish, more wait than decode: one wave.
+    kwargs = dict(max_running_requests=3, wave_prefill=True)
+    _, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=3, **kwargs)
+    assert shapes[:12] == [("DECODE", [])] * 11 + [("EXTEND", [6, 6, 6])]
+    assert counts == (0, 1)
+    # 4 decode, 5 wait (more than decode): a wave is due in each of the 11 decode steps; once
+    # the 4 finish, four prompts go in one wave of 24 tokens, the fifth after them.
+    kwargs = dict(num_burst=5, max_running_requests=4, wave_prefill=True)
+    _, shapes, counts = _burst_batches(qwen3_moe_path, 8, num_early=4, **kwargs)
+    assert shapes[:12] == [("DECODE", [])] * 11 + [("EXTEND", [6, 6, 6, 6])]
+    assert counts == (0, 1)
 
 
 class FakeClock:
