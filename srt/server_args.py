@@ -31,7 +31,6 @@ from srt.server_args_choices import (
     DTYPE_CHOICES,
     GRAMMAR_BACKEND_CHOICES,
     LOAD_BALANCE_CHOICES,
-    LOG_LEVEL_CHOICES,
     MOE_A2A_BACKEND_CHOICES,
     SCHEDULE_POLICY_CHOICES,
     TOOL_CALL_PARSER_CHOICES,
@@ -42,8 +41,7 @@ from srt.server_args_overlap import OverlapArgs, _arg
 
 @dataclass
 class ServerArgs(DebugArgs, OverlapArgs):
-    """Every flag: the overlap ones (``OverlapArgs``) and the debugging ones (``DebugArgs``)
-    first, then these."""
+    """Every flag: the overlap and logging ones (``OverlapArgs``, ``DebugArgs``), then these."""
 
     # Model and tokenizer
     model_path: str | None = field(
@@ -363,10 +361,6 @@ class ServerArgs(DebugArgs, OverlapArgs):
             "structured output",
             "JSON constraints: at most this many whitespace characters in a row (default: any).",
         ),
-    )
-    log_level: str = field(
-        default="info",
-        metadata=_arg("logging", "Logging level.", choices=LOG_LEVEL_CHOICES),
     )
 
     def __post_init__(self) -> None:

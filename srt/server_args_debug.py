@@ -1,5 +1,5 @@
-"""The debugging flags of ``ServerArgs``, a dataclass of their own that ``ServerArgs`` extends,
-and the one table of environment variables srt reads as their aliases.
+"""The logging and debugging flags of ``ServerArgs``, a dataclass of their own that
+``ServerArgs`` extends, and the one table of environment variables srt reads as their aliases.
 
 An environment variable sets its flag's field when the flag was left at its default (an
 explicit flag wins); ``ServerArgs.check_and_resolve`` applies the table once, right after
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from srt.server_args_choices import LOG_LEVEL_CHOICES
 from srt.server_args_overlap import _arg
 
 
@@ -32,6 +33,10 @@ ENV_ALIASES = (
 
 @dataclass
 class DebugArgs:
+    log_level: str = field(
+        default="info",
+        metadata=_arg("logging", "Logging level.", choices=LOG_LEVEL_CHOICES),
+    )
     stream_trace_dir: str | None = field(
         default=None,
         metadata=_arg(
