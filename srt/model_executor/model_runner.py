@@ -30,9 +30,8 @@ from srt.batch_overlap.step_overlap import StepOverlap
 from srt.batch_overlap.two_batch_overlap import TboConfig, plan_two_batch_overlap, with_children
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
-from srt.layers import cpu_kernels
+from srt.layers.attention.registry import attention_backend_class
 from srt.layers.attention.tbo_backend import TboAttnBackend
-from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -134,13 +133,7 @@ class ModelRunner:
 
     def _init_attention_backend(self) -> None:
         """``--attention-backend`` (resolved by ServerArgs), wrapped for two-batch overlap."""
-        if self.server_args.attention_backend == "triton":
-            from srt.layers.attention.triton_backend import TritonAttnBackend
-
-            create = TritonAttnBackend
-        else:
-            in_kernels = self.device.type == "cpu" and cpu_kernels.available()
-            create = lambda: TorchNativeAttnBackend(in_kernels)
+        create = attention_backend_class(self.server_args.attention_backend)
         if self.dbo_config.enabled:  # the children attend, never the whole batch
             self.attn_backend = TboAttnBackend.init_new(create, parent_attends_when_split=False)
         elif self.tbo_config.enabled:
