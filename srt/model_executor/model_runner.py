@@ -32,6 +32,7 @@ from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.attention.tbo_backend import TboAttnBackend
+from srt.layers.cpu_preparation import prepare_for_cpu
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -182,12 +183,7 @@ class ModelRunner:
         options = ModelOptions.from_server_args(self.server_args)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
         if self.device.type == "cpu":
-            # CPU layouts of the linear and expert weights (the C kernels' panels, or oneDNN's;
-            # ``pack_weight``), and the C RMSNorm; the dense originals stay for the code paths
-            # that read them.
-            for module in self.model.modules():
-                if hasattr(module, "pack_weights"):
-                    module.pack_weights()
+            prepare_for_cpu(self.model)  # weight layouts and C kernels (``cpu_preparation``)
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype
