@@ -37,7 +37,7 @@ from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
+from srt.model_executor.cpu_threads import CpuThreads
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.model_executor.forward_batch_info import (
@@ -45,6 +45,7 @@ from srt.model_executor.forward_batch_info import (
     ForwardMode,
     split_off_decode_tail,
 )
+from srt.model_executor.weight_bytes import WeightBytes
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
@@ -109,8 +110,8 @@ class ModelRunner:
         self.dbo_config = DboConfig.from_server_args(server_args)
         self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
-        weights = DecodeWeights.of(self.model)
-        self.weight_bytes = weights.dense_bytes + weights.expert_bytes
+        weights = WeightBytes.of(self.model)
+        self.weight_bytes = weights.total
         self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
         # forwards run, by (two-batch overlap?, single-batch overlap?, local mode)
         self.forward_step_counts: Counter[tuple[bool, bool, str]] = Counter()
