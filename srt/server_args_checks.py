@@ -365,22 +365,9 @@ def check_model_layout(args: ServerArgs, hf_config: Any) -> None:
 
 
 def check_kernels(args: ServerArgs) -> None:
-    """--attention-backend (auto: triton on CUDA where it imports, else torch_native) and, on
-    CUDA, the CUDA-graph batch sizes (``cuda_graph_batch_sizes``)."""
-    backend = args.attention_backend
-    if backend not in ATTENTION_BACKEND_CHOICES:
-        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}")
-    has_triton = importlib.util.find_spec("triton") is not None
-    if backend == "auto":
-        backend = "triton" if args.device == "cuda" and has_triton else "torch_native"
-    elif backend == "triton" and not has_triton:
-        raise ValueError("--attention-backend triton: the triton package is not installed")
-    elif backend == "triton" and args.device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
-        raise ValueError(
-            "--attention-backend triton runs on CUDA (on CPU only under Triton's interpreter, "
-            "TRITON_INTERPRET=1, for tests)"
-        )
-    args.attention_backend = backend
+    """--attention-backend (``resolve_attention_backend``) and, on CUDA, the CUDA-graph batch
+    sizes (``cuda_graph_batch_sizes``)."""
+    args.attention_backend = resolve_attention_backend(args.attention_backend, args.device)
     graph_flags = args.cuda_graph_bs is not None or args.cuda_graph_max_bs is not None
     if args.device != "cuda":
         if graph_flags:
@@ -391,6 +378,39 @@ def check_kernels(args: ServerArgs) -> None:
         limit = min(limit, low_latency_fit(args))
     args.cuda_graph_bs = cuda_graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, limit)
     args.cuda_graph_max_bs = args.cuda_graph_bs[-1]
+
+
+def resolve_attention_backend(backend: str, device: str) -> str:
+    """``auto``: triton on CUDA where it imports, cpu on CPU where the CPU kernels are built,
+    else torch_native. A named backend is refused where it cannot run."""
+    if backend not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKEND_CHOICES}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto" and device == "cuda":
+        return "triton" if has_triton else "torch_native"
+    if backend == "auto":
+        return "cpu" if _cpu_kernels_available() else "torch_native"
+    if backend == "cpu" and device != "cpu":
+        raise ValueError("--attention-backend cpu runs the CPU kernels: it needs --device cpu")
+    if backend == "cpu" and not _cpu_kernels_available():
+        raise ValueError(
+            "--attention-backend cpu: the CPU kernels are not built here (no C compiler, no "
+            "AVX2, or SRT_CPU_KERNELS=0); --attention-backend torch_native runs without them"
+        )
+    if backend == "triton" and not has_triton:
+        raise ValueError("--attention-backend triton: the triton package is not installed")
+    if backend == "triton" and device == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError(
+            "--attention-backend triton runs on CUDA (on CPU only under Triton's interpreter, "
+            "TRITON_INTERPRET=1, for tests)"
+        )
+    return backend
+
+
+def _cpu_kernels_available() -> bool:
+    from srt.layers import cpu_kernels  # imported on CPU only: it builds the kernels
+
+    return cpu_kernels.available()
 
 
 def cuda_graph_batch_sizes(sizes: list[int] | None, max_bs: int | None, limit: int) -> list[int]:

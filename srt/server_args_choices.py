@@ -5,7 +5,7 @@ constants that the layers share with ``ServerArgs``."""
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]  # auto resolves to one of the others at start-up
-ATTENTION_BACKEND_CHOICES = ["auto", "triton", "torch_native"]
+ATTENTION_BACKEND_CHOICES = ["auto", "triton", "cpu", "torch_native"]
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
 MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]

@@ -13,9 +13,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self.in_kernel = False  # set by pack_weights where the CPU kernels run this norm
+        self.in_kernel = False  # set by prepare_for_cpu where the CPU kernels run this norm
 
-    def pack_weights(self) -> None:
+    def prepare_for_cpu(self) -> None:
         """Once loaded, on CPU: run float32 norms in one C call (``cpu_kernels.rms_norm``)."""
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
             self.in_kernel = cpu_kernels.available()
@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual). Once
-        ``pack_weights`` found the CPU kernels, float32 input takes one C call."""
+        ``prepare_for_cpu`` found the CPU kernels, float32 input takes one C call."""
         if self.in_kernel and x.dtype == torch.float32 and x.numel():
             if residual is None or residual.dtype == torch.float32:
                 return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)

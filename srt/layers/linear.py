@@ -103,7 +103,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | PanelWeight | None = None  # set by pack_weights
+        self.packed_weight: torch.Tensor | PanelWeight | None = None  # set by prepare_for_cpu
 
     def local_sizes(self) -> tuple[int, int]:
         return self.input_size, self.output_size
@@ -111,7 +111,8 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         copy_checked(param, loaded, name)
 
-    def pack_weights(self) -> None:
+    def prepare_for_cpu(self) -> None:
+        """Once loaded, on CPU: the weight laid out for ``linear`` (``pack_weight``)."""
         self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection; its logits are computed by LogitsProcessor."""
 
-    packed_weight = None  # the CPU layout of the weight, set by pack_weights
+    packed_weight = None  # the CPU layout of the weight, set by prepare_for_cpu
 
-    def pack_weights(self) -> None:
+    def prepare_for_cpu(self) -> None:
         """Once loaded (and tied, where it shares the embedding), on CPU: the weight laid out
         for ``linear`` (``srt.layers.linear.pack_weight``)."""
         self.packed_weight = pack_weight(self.weight)

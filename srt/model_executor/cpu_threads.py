@@ -9,7 +9,7 @@ to those processes. A step that streams many weights from memory gains bandwidth
 core, so it keeps them all.
 
 What a decode step reads is not the model's size: of the routed experts it reads at most
-``sequences × top_k`` experts' worth (:class:`DecodeWeights`), so a mixture of experts that is
+``sequences × top_k`` experts' worth (``WeightBytes.read_by``), so a mixture of experts that is
 large in all decodes a few sequences like a small model, and a batch of many like a large one.
 Measured on 2 cores with ``benchmark/serving/compare_peer.py``: ``docs/benchmarks_history.md``,
 round 8.
@@ -27,13 +27,12 @@ prompt arriving with the rest of a burst took 16-22 ms on both, 5-9 ms on one
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from srt.layers.moe.moe_block import SparseMoeBlock
 from srt.model_executor.forward_batch_info import ForwardMode
+from srt.model_executor.weight_bytes import WeightBytes
 from srt.server_args import ServerArgs
 
 # A decode step reading fewer weight bytes than this runs on one core fewer (see above).
@@ -63,64 +62,37 @@ def limit_openmp_spin(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class DecodeWeights:
-    """This rank's weight bytes as a decode step reads them: everything but the routed
-    experts, and of those (``expert_bytes`` in all, ``num_experts`` in the model, ``top_k`` per
-    token) at most ``sequences × top_k`` experts' share."""
-
-    dense_bytes: int
-    expert_bytes: int = 0
-    num_experts: int = 0
-    top_k: int = 0
-
-    @classmethod
-    def of(cls, model: nn.Module) -> DecodeWeights:
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        total = sum(p.nbytes for p in model.parameters())
-        if not blocks:
-            return cls(total)
-        experts = sum(p.nbytes for b in blocks for p in b.experts.parameters())
-        first = blocks[0]
-        return cls(total - experts, experts, first.experts.num_experts, first.topk_config.top_k)
-
-    def read_by(self, sequences: int) -> int:
-        if not self.num_experts:
-            return self.dense_bytes + self.expert_bytes
-        share = min(1.0, sequences * self.top_k / self.num_experts)
-        return self.dense_bytes + int(self.expert_bytes * share)
-
-
+@dataclass(kw_only=True)
 class CpuThreads:
-    """``lean_decode_threads`` for decode steps that read under SMALL_MODEL_BYTES,
-    ``decode_threads`` for the others; ``lean_extend_threads`` for prefill and mixed steps that
-    read as few and do less work than SMALL_EXTEND_WORK, ``extend_threads`` for the others."""
+    """Intra-op threads per kind of step: ``lean_decode_threads`` for decode steps that read
+    under SMALL_MODEL_BYTES, ``decode_threads`` for the others; ``lean_extend_threads`` for
+    prefill and mixed steps that read as few and do less work than SMALL_EXTEND_WORK,
+    ``extend_threads`` for the others."""
 
-    def __init__(
-        self,
-        extend_threads: int,
-        decode_threads: int,
-        lean_decode_threads: int | None = None,
-        weights: DecodeWeights | None = None,
-        lean_extend_threads: int | None = None,
-    ):
-        self.extend_threads, self.decode_threads = extend_threads, decode_threads
-        self.lean_decode_threads = lean_decode_threads or decode_threads
-        self.lean_extend_threads = lean_extend_threads or extend_threads
-        self.weights = weights or DecodeWeights(0)
-        self.current = torch.get_num_threads()
+    extend_threads: int
+    decode_threads: int
+    lean_extend_threads: int
+    lean_decode_threads: int
+    weights: WeightBytes
+    current: int = field(default_factory=torch.get_num_threads, init=False)
 
     @classmethod
-    def from_server_args(cls, server_args: ServerArgs, weights: DecodeWeights) -> CpuThreads | None:
+    def from_server_args(cls, server_args: ServerArgs, weights: WeightBytes) -> CpuThreads | None:
         if server_args.device != "cpu":
             return None
         cores, ranks = len(os.sched_getaffinity(0)), server_args.num_ranks_per_node
         front_end = 1 if server_args.node_rank == 0 else 0
         full, lean = max(1, cores // ranks), max(1, (cores - front_end) // ranks)
-        if server_args.cpu_decode_threads:
-            decode = server_args.cpu_decode_threads
-            return cls(full, decode, weights=weights, lean_extend_threads=lean)
-        return cls(full, full, lean, weights, lean)
+        decode, lean_decode = full, lean
+        if server_args.cpu_decode_threads:  # every decode step, whatever it reads
+            decode = lean_decode = server_args.cpu_decode_threads
+        return cls(
+            extend_threads=full,
+            decode_threads=decode,
+            lean_extend_threads=lean,
+            lean_decode_threads=lean_decode,
+            weights=weights,
+        )
 
     def threads_for(self, mode: ForwardMode, sequences: int, tokens: int = 0) -> int:
         """``tokens``: the step's (prefill and mixed steps; decode steps go by ``sequences``)."""

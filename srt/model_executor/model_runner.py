@@ -32,15 +32,15 @@ from srt.batch_overlap.two_batch_overlap import run_layers_overlapped, with_chil
 from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
-from srt.layers import cpu_kernels
+from srt.layers.attention.registry import attention_backend_class
 from srt.layers.attention.tbo_backend import TboAttnBackend
-from srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from srt.layers.cpu_preparation import prepare_for_cpu
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.layers.overlap.operations import OperationObserver
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-from srt.model_executor.cpu_threads import CpuThreads, DecodeWeights
+from srt.model_executor.cpu_threads import CpuThreads
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
 from srt.model_executor.forward_batch_info import (
@@ -48,6 +48,7 @@ from srt.model_executor.forward_batch_info import (
     ForwardBatch,
     mla_attention_parts,
 )
+from srt.model_executor.weight_bytes import WeightBytes
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.loader import load_model
 from srt.models.model_context import ModelOptions
@@ -110,8 +111,8 @@ class ModelRunner:
         self._init_split_executors()
         self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
-        weights = DecodeWeights.of(self.model)
-        self.weight_bytes = weights.dense_bytes + weights.expert_bytes
+        weights = WeightBytes.of(self.model)
+        self.weight_bytes = weights.total
         self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
         # forwards run, by (overlap mode: off / tbo / sbo / dbo, local forward mode)
         self.step_counts: Counter[tuple[str, str]] = Counter()
@@ -143,13 +144,7 @@ class ModelRunner:
 
     def _init_attention_backend(self) -> None:
         """``--attention-backend`` (resolved by ServerArgs), wrapped for two-batch overlap."""
-        if self.server_args.attention_backend == "triton":
-            from srt.layers.attention.triton_backend import TritonAttnBackend
-
-            create = TritonAttnBackend
-        else:
-            in_kernels = self.device.type == "cpu" and cpu_kernels.available()
-            create = lambda: TorchNativeAttnBackend(in_kernels)
+        create = attention_backend_class(self.server_args.attention_backend)
         if self.split_config.rule == "dbo":  # the children attend, never the whole batch
             self.attn_backend = TboAttnBackend.init_new(create, parent_attends_when_split=False)
         elif self.split_config.rule == "tbo":
@@ -190,12 +185,7 @@ class ModelRunner:
         options = ModelOptions.from_server_args(self.server_args)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
         if self.device.type == "cpu":
-            # CPU layouts of the linear and expert weights (the C kernels' panels, or oneDNN's;
-            # ``pack_weight``), and the C RMSNorm; the dense originals stay for the code paths
-            # that read them.
-            for module in self.model.modules():
-                if hasattr(module, "pack_weights"):
-                    module.pack_weights()
+            prepare_for_cpu(self.model)  # weight layouts and C kernels (``cpu_preparation``)
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype

@@ -107,7 +107,7 @@ def test_blocked_experts_equal_the_pairs(kind):
     wire) against the pairs computed one by one; nothing but the loop reads a device value."""
     moe, hidden, weights, ids = _rank_one_rows(seed=3)
     if kind == "cpu_kernel":
-        moe.pack_weights()
+        moe.prepare_for_cpu()
         if moe.panels is None:
             pytest.skip("no C kernels on this machine")
     guard = contextlib.nullcontext if kind == "loop" else forbid_host_sync

@@ -2,8 +2,8 @@
 paged KV cache equal attention computed in float64 from the gathered slots (decode for
 grouped-query and MLA layouts; extend causal, after cached prefixes) and give a token the same
 bits whatever batch it comes in (extend: also wherever its sequence was split); the C rotary
-embedding equals PyTorch's for both layouts, grows its table past the model's range and refuses
-negative positions."""
+embedding equals PyTorch's for both layouts, shares its table between layers of equal
+frequencies, grows it past the model's range and refuses negative positions."""
 
 from __future__ import annotations
 
@@ -138,9 +138,13 @@ def test_rope_in_c_equals_pytorch(neox, params):
     q, k = qkv[:, :4, 8:40], qkv[:, 6:, 16:]
     positions = torch.tensor([0, 1, 63, 255, 5000, 17])  # 5000: past the first table
     expected = rope(positions, q, k)
-    rope.pack_weights()
-    assert rope.in_kernel
+    rope.prepare_for_cpu()
+    other_layer = RotaryEmbedding(32, 256, params, is_neox_style=neox)
+    other_layer.prepare_for_cpu()
+    assert other_layer.cos_sin_table is rope.cos_sin_table  # one table for equal frequencies
+    assert rope.cos_sin_table.table.shape == (256, 32)  # the model's range at first
     got = rope(positions, q, k)
+    assert rope.cos_sin_table.table.shape == (5001, 32)  # grown past 5000
     for out, ref in zip(got, expected):
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="negative position"):

@@ -27,7 +27,7 @@ def _experts(ep_rank: int = 0, ep_size: int = 1) -> tuple[FusedMoE, FusedMoE]:
     torch.nn.init.normal_(plain.w13_weight, std=0.1)
     torch.nn.init.normal_(plain.w2_weight, std=0.1)
     packed.load_state_dict(plain.state_dict())
-    packed.pack_weights()
+    packed.prepare_for_cpu()
     assert packed.panels is not None and plain.panels is None
     return plain, packed
 
@@ -83,7 +83,7 @@ def test_off_by_environment_or_without_compiler(monkeypatch):
         cpu_kernels.load_library.cache_clear()
         assert cpu_kernels.load_library() is None
         moe = FusedMoE(8, HIDDEN, INTER)
-        moe.pack_weights()
+        moe.prepare_for_cpu()
         assert moe.panels is None  # the PyTorch path, oneDNN layouts where available
     finally:
         cpu_kernels.load_library.cache_clear()
@@ -92,7 +92,7 @@ def test_off_by_environment_or_without_compiler(monkeypatch):
 def test_experts_whose_gate_does_not_fill_panels_stay_in_pytorch():
     inter = cpu_kernels.panel_width() * 3 // 2
     experts = FusedMoE(4, HIDDEN, inter)  # w13: 3 whole panels, but gate and up split one
-    experts.pack_weights()
+    experts.prepare_for_cpu()
     assert experts.panels is None
 
 
@@ -110,7 +110,7 @@ def test_linear_on_panels_equals_f_linear(rows):
     layer = ReplicatedLinear(96, 128, bias=True)
     torch.nn.init.normal_(layer.weight, std=0.1)
     torch.nn.init.normal_(layer.bias)
-    layer.pack_weights()
+    layer.prepare_for_cpu()
     assert isinstance(layer.packed_weight, PanelWeight)
     x = torch.randn(rows, 2, 96)  # leading dimensions kept
     expected = F.linear(x, layer.weight, layer.bias)
@@ -143,7 +143,7 @@ def test_rms_norm_equals_pytorch_on_views_and_with_residual():
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-6)
     torch.nn.init.normal_(norm.weight)
-    norm.pack_weights()
+    norm.prepare_for_cpu()
     assert norm.in_kernel
     qkv = torch.randn(5, 12 * 64)
     heads = qkv[:, : 8 * 64].reshape(-1, 8, 64)  # a split QKV's heads: rows not contiguous

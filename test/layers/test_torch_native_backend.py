@@ -1,25 +1,35 @@
 """The batched extend attention (length groups, one SDPA call each) and the batched decode
 attention (query heads of one KV head as rows) equal attention computed sequence by sequence
-over the same paged KV cache, with and without cached prefixes; and the grouped experts equal
-the per-expert loop."""
+over the same paged KV cache, with and without cached prefixes, and so does the cpu backend
+(the C kernels in float32, which it is shown to run; SDPA for other dtypes and MLA's extend);
+and the grouped experts equal the per-expert loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.forward_batches import extend_batch
 
+from srt.layers import cpu_kernels
+from srt.layers.attention.cpu_backend import CpuAttnBackend, CpuAttnMetadata
 from srt.layers.attention.torch_native_backend import (
     MAX_PADDING_RATIO,
     TorchNativeAttnBackend,
+    TorchNativeMetadata,
     group_extend,
 )
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.radix_attention import RadixAttention
-from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
+NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
+BACKENDS = [
+    pytest.param(TorchNativeAttnBackend, id="torch_native"),
+    pytest.param(CpuAttnBackend, id="cpu", marks=NEEDS_KERNELS),
+]
 
 
 def test_group_extend_bounds_padding_and_covers_every_sequence():
@@ -50,6 +60,7 @@ def _reference(q, k_buf, v_buf, table, prefix, new, layer):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("backend_class", BACKENDS)
 @pytest.mark.parametrize(
     "prefix,new,v_dim",
     [
@@ -59,7 +70,7 @@ def _reference(q, k_buf, v_buf, table, prefix, new, layer):
         ([4, 0, 9, 2], [3, 6, 1, 7], DIM // 2),  # values narrower than keys: padded
     ],
 )
-def test_extend_attention_equals_per_sequence(prefix, new, v_dim):
+def test_extend_attention_equals_per_sequence(prefix, new, v_dim, backend_class):
     torch.manual_seed(0)
     pool = MHATokenToKVPool(256, torch.float32, KV_HEADS, DIM, 1, "cpu", v_head_dim=v_dim)
     req_pool = ReqToTokenPool(8, 64, "cpu")
@@ -90,7 +101,7 @@ def test_extend_attention_equals_per_sequence(prefix, new, v_dim):
     layer = RadixAttention(HEADS, DIM, DIM**-0.5, KV_HEADS, 0, v_head_dim=v_dim)
     q, k = torch.randn(total, HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
     v = torch.randn(total, KV_HEADS, v_dim)
-    backend = TorchNativeAttnBackend()
+    backend = backend_class()
     backend.init_forward_metadata(batch)
     out = backend.forward_extend(q, k, v, layer, batch)
     table = req_pool.req_to_token[rows]
@@ -98,8 +109,9 @@ def test_extend_attention_equals_per_sequence(prefix, new, v_dim):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend_class", BACKENDS)
 @pytest.mark.parametrize("kv_heads", [1, KV_HEADS, HEADS])
-def test_decode_attention_equals_per_sequence(kv_heads):
+def test_decode_attention_equals_per_sequence(kv_heads, backend_class):
     torch.manual_seed(0)
     seq_lens = [5, 1, 12, 7]
     pool = MHATokenToKVPool(64, torch.float32, kv_heads, DIM, 1, "cpu")
@@ -126,7 +138,7 @@ def test_decode_attention_equals_per_sequence(kv_heads):
     )
     layer = RadixAttention(HEADS, DIM, DIM**-0.5, kv_heads, 0)
     q = torch.randn(len(seq_lens), HEADS, DIM)
-    backend = TorchNativeAttnBackend()
+    backend = backend_class()
     backend.init_forward_metadata(batch)
     out = backend.forward_decode(q, None, None, layer, batch, save_kv_cache=False)
     group = HEADS // kv_heads
@@ -156,3 +168,42 @@ def test_grouped_experts_equal_per_expert_loop(hidden, inter):
                 expected[t] += weights[t, j] * moe._expert(e, x[t : t + 1])[0]
     torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
     assert (moe._grouped_kernel(x) == "grouped_mm") == (hidden % 4 == 0 and inter % 4 == 0)
+
+
+def _pools(dtype: torch.dtype, mla: bool):
+    if mla:  # kv_lora_rank 16, rope 8: values are the first columns of the keys
+        return MLATokenToKVPool(64, dtype, 16, 8, 1, "cpu"), ReqToTokenPool(16, 32, "cpu")
+    return MHATokenToKVPool(64, dtype, KV_HEADS, DIM, 1, "cpu"), ReqToTokenPool(16, 32, "cpu")
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize(
+    "dtype,mla,mode,kernels",
+    [
+        (torch.float32, False, ForwardMode.DECODE, True),
+        (torch.float32, False, ForwardMode.EXTEND, True),
+        (torch.float32, True, ForwardMode.DECODE, True),
+        (torch.float32, True, ForwardMode.EXTEND, False),  # MLA's extend expands its latent
+        (torch.bfloat16, False, ForwardMode.DECODE, False),  # the kernels are float32
+        (torch.bfloat16, False, ForwardMode.EXTEND, False),
+    ],
+)
+def test_cpu_backend_runs_the_kernels_where_they_apply(dtype, mla, mode, kernels):
+    batch = extend_batch([2, 0, 5], [3, 4, 1], mode)  # request rows 10, 11, 12
+    batch.token_to_kv_pool, batch.req_to_token_pool = _pools(dtype, mla)
+    CpuAttnBackend().init_forward_metadata(batch)
+    meta = batch.attn_metadata
+    assert isinstance(meta, CpuAttnMetadata if kernels else TorchNativeMetadata)
+    if kernels and mode == ForwardMode.EXTEND:  # [row, prefix, new, first row of q] columns
+        assert meta.extend_seqs.tolist() == [[10, 11, 12], [2, 0, 5], [3, 4, 1], [0, 3, 7]]
+
+
+def test_cpu_backend_refused_without_the_kernels(monkeypatch):
+    try:
+        monkeypatch.setenv("SRT_CPU_KERNELS", "0")
+        cpu_kernels.load_library.cache_clear()
+        with pytest.raises(RuntimeError, match="needs the CPU kernels"):
+            CpuAttnBackend()
+    finally:
+        monkeypatch.delenv("SRT_CPU_KERNELS")
+        cpu_kernels.load_library.cache_clear()

@@ -1,4 +1,4 @@
-"""The triton attention backend equals the PyTorch backend (its SDPA path) over the same paged
+"""The triton attention backend equals the PyTorch backend (SDPA) over the same paged
 KV cache: decode and extend, multi-head, grouped-query, values narrower than keys and MLA's
 absorbed form (one latent KV head, values a view of the keys); ragged lengths, cached prefixes,
 lengths that cross the kernels' tiles, request rows out of order and scattered slots. Decode

@@ -16,12 +16,10 @@ from srt.model_executor.cpu_threads import (
     SMALL_EXTEND_WORK,
     SMALL_MODEL_BYTES,
     CpuThreads,
-    DecodeWeights,
     limit_openmp_spin,
 )
 from srt.model_executor.forward_batch_info import ForwardMode
-from srt.model_loader.config import ModelConfig
-from srt.model_loader.loader import load_model
+from srt.model_executor.weight_bytes import WeightBytes
 from srt.server_args import ServerArgs
 
 CORES = len(os.sched_getaffinity(0))
@@ -33,34 +31,34 @@ def _args(**kwargs) -> ServerArgs:
     return ServerArgs(model_path="unused", device="cpu", **kwargs)
 
 
-def _threads(weights: DecodeWeights, **kwargs) -> CpuThreads:
+def _threads(weights: WeightBytes, **kwargs) -> CpuThreads:
     return CpuThreads.from_server_args(_args(**kwargs), weights)
 
 
 def test_small_model_leaves_a_core_to_the_front_end_in_decode():
-    threads = _threads(DecodeWeights(SMALL_MODEL_BYTES - 1))
+    threads = _threads(WeightBytes(SMALL_MODEL_BYTES - 1))
     assert threads.threads_for(ForwardMode.EXTEND, 8, 1024) == CORES
     assert threads.threads_for(ForwardMode.DECODE, 1) == LEAN
     assert threads.threads_for(ForwardMode.DECODE, 256) == LEAN
 
 
 def test_large_dense_model_decodes_on_every_core():
-    threads = _threads(DecodeWeights(SMALL_MODEL_BYTES))
+    threads = _threads(WeightBytes(SMALL_MODEL_BYTES))
     assert threads.threads_for(ForwardMode.DECODE, 1) == CORES
     assert not threads.leaves_front_end_a_core(1)
 
 
 @pytest.mark.skipif(CORES < 2, reason="one core: nothing to leave")
 def test_front_end_core_only_when_every_decode_step_leaves_it():
-    assert _threads(DecodeWeights(SMALL_MODEL_BYTES - 1)).leaves_front_end_a_core(256)
-    moe = _threads(DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6))
+    assert _threads(WeightBytes(SMALL_MODEL_BYTES - 1)).leaves_front_end_a_core(256)
+    moe = _threads(WeightBytes(20 * MIB, 96 * MIB, num_experts=32, top_k=6))
     assert moe.leaves_front_end_a_core(2) and not moe.leaves_front_end_a_core(3)
-    assert _threads(DecodeWeights(1), cpu_decode_threads=CORES - 1).leaves_front_end_a_core(1)
+    assert _threads(WeightBytes(1), cpu_decode_threads=CORES - 1).leaves_front_end_a_core(1)
 
 
 def test_mixture_of_experts_counts_the_experts_its_sequences_reach():
     # 32 experts top-6 (96 MiB in all), 20 MiB outside the experts
-    weights = DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
+    weights = WeightBytes(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
     assert weights.read_by(1) == 20 * MIB + 18 * MIB
     assert weights.read_by(6) == 20 * MIB + 96 * MIB  # 36 picks ≥ 32 experts: all of them
     threads = _threads(weights)
@@ -74,18 +72,18 @@ def test_mixture_of_experts_counts_the_experts_its_sequences_reach():
 
 def test_small_prefill_leaves_a_core_to_the_front_end():
     # a token reads 1 MiB outside the experts and 3 of 12 experts of 1 MiB each: 4 MiB
-    weights = DecodeWeights(1 * MIB, 12 * MIB, num_experts=12, top_k=3)
+    weights = WeightBytes(1 * MIB, 12 * MIB, num_experts=12, top_k=3)
     threads = _threads(weights)
     under = SMALL_EXTEND_WORK // (4 * MIB) - 1
     for mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
         assert threads.threads_for(mode, 16, under) == LEAN
         assert threads.threads_for(mode, 16, under + 1) == CORES
     # one that reads many weights keeps every core, however few its tokens
-    assert _threads(DecodeWeights(SMALL_MODEL_BYTES)).threads_for(ForwardMode.EXTEND, 1, 1) == CORES
+    assert _threads(WeightBytes(SMALL_MODEL_BYTES)).threads_for(ForwardMode.EXTEND, 1, 1) == CORES
 
 
 def test_decode_threads_flag_overrides_every_decode_step():
-    threads = _threads(DecodeWeights(1 * MIB), cpu_decode_threads=3)
+    threads = _threads(WeightBytes(1 * MIB), cpu_decode_threads=3)
     assert threads.threads_for(ForwardMode.DECODE, 1) == 3
     assert threads.threads_for(ForwardMode.DECODE, 512) == 3
     assert threads.threads_for(ForwardMode.EXTEND, 1, 1) == LEAN
@@ -94,8 +92,14 @@ def test_decode_threads_flag_overrides_every_decode_step():
 
 def test_apply_switches_threads_by_step():
     before = torch.get_num_threads()
-    weights = DecodeWeights(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
-    threads = CpuThreads(2, 2, lean_decode_threads=1, weights=weights, lean_extend_threads=1)
+    weights = WeightBytes(20 * MIB, 96 * MIB, num_experts=32, top_k=6)
+    threads = CpuThreads(
+        extend_threads=2,
+        decode_threads=2,
+        lean_extend_threads=1,
+        lean_decode_threads=1,
+        weights=weights,
+    )
     try:
         threads.apply(ForwardMode.DECODE, 1)
         assert torch.get_num_threads() == 1
@@ -109,20 +113,6 @@ def test_apply_switches_threads_by_step():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-
-
-def test_decode_weights_of_a_model_split_experts_from_the_rest(deepseek_v3_path):
-    config = ModelConfig.from_server_args(ServerArgs(model_path=deepseek_v3_path, dtype="float32"))
-    model = load_model(config, "cpu")
-    weights = DecodeWeights.of(model)
-    moe_layers = [layer.mlp for layer in model.model.layers if layer.is_moe]
-    routed = sum(p.nbytes for m in moe_layers for p in m.experts.parameters())
-    assert weights.expert_bytes == routed > 0  # the shared expert is not among them
-    assert weights.dense_bytes + routed == sum(p.nbytes for p in model.parameters())
-    assert (weights.num_experts, weights.top_k) == (
-        config.hf_config.n_routed_experts,
-        config.hf_config.num_experts_per_tok,
-    )
 
 
 @pytest.mark.parametrize("kwargs", [{"cpu_decode_threads": 0}, {"cpu_decode_threads": -2}])

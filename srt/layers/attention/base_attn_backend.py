@@ -1,8 +1,10 @@
-"""The attention backend interface."""
+"""The attention backend interface, and the extend batch's sequences that the backends share."""
 
 from __future__ import annotations
 
 import abc
+import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,3 +55,25 @@ class AttentionBackend(abc.ABC):
         if batch.forward_mode.is_idle():
             return q.new_empty(0, layer.num_heads, layer.v_head_dim)
         return self.forward_extend(q, k, v, layer, batch, save_kv_cache)
+
+
+@dataclass(frozen=True)
+class ExtendSeqs:
+    """An extend batch's sequences, built once per forward for every backend: per sequence
+    its cached prefix length, its new tokens, and its first row of ``q`` (the new tokens of
+    all sequences lie one after another)."""
+
+    prefix_lens: list[int]
+    new_lens: list[int]
+    starts: list[int]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> ExtendSeqs:
+        new = batch.extend_seq_lens_cpu
+        starts = list(itertools.accumulate(new, initial=0))[:-1]
+        return cls(batch.extend_prefix_lens_cpu, new, starts)
+
+    def table(self) -> torch.Tensor:
+        """The kernels' layout: ``[3, B]`` int64 on the host, rows prefix lengths, new
+        lengths, first rows."""
+        return torch.tensor([self.prefix_lens, self.new_lens, self.starts], dtype=torch.int64)

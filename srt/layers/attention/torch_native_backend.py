@@ -17,24 +17,20 @@ index table and mask built once per forward in ``init_forward_metadata``:
 Rows (KV slots, queries) are gathered with ``index_select`` on tensors viewed as rows: several
 times faster on CPU than indexing with a tensor.
 
-On CPU in float32 with the CPU kernels built, attention skips all of that: one C call per
-layer reads each sequence's slots in place (``cpu_kernels.decode_attention``, and for extend
-``cpu_kernels.extend_attention``, causal after the cached prefix, its output written straight
-into ``[T, H, Dv]``); the metadata is just the batch's own request rows and lengths. MLA's
-extend, which expands keys and values from its cached latent, stays on SDPA.
+This is plain PyTorch on every device; the C kernels that read the cache in place on CPU are
+``--attention-backend cpu`` (``cpu_backend``), which falls back to this backend where they do
+not apply.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from srt.layers import cpu_kernels
-from srt.layers.attention.base_attn_backend import AttentionBackend
+from srt.layers.attention.base_attn_backend import AttentionBackend, ExtendSeqs
 
 if TYPE_CHECKING:
     from srt.model_executor.forward_batch_info import ForwardBatch
@@ -62,11 +58,6 @@ class TorchNativeMetadata:
     kv_indices: torch.Tensor | None = None  # [B, L]
     kv_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
     extend_groups: list[ExtendGroup] | None = None
-    # Attention in the CPU kernels, which read the KV cache in place: decode takes the batch's
-    # own request rows and lengths; extend takes per sequence [row, prefix, new tokens, first
-    # row of q] as columns of ``extend_seqs`` [4, B].
-    in_place: bool = False
-    extend_seqs: torch.Tensor | None = None
 
 
 def group_extend(prefix_lens: list[int], new_lens: list[int]) -> list[list[int]]:
@@ -91,10 +82,12 @@ def group_extend(prefix_lens: list[int], new_lens: list[int]) -> list[list[int]]
     return groups
 
 
-def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> ExtendGroup:
+def _extend_group(batch: ForwardBatch, extend: ExtendSeqs, seqs: list[int]) -> ExtendGroup:
+    """The group of sequences ``seqs`` (indices into ``extend``)."""
     device = batch.input_ids.device
-    prefix = [batch.extend_prefix_lens_cpu[i] for i in seqs]
-    new = [batch.extend_seq_lens_cpu[i] for i in seqs]
+    starts = extend.starts
+    prefix = [extend.prefix_lens[i] for i in seqs]
+    new = [extend.new_lens[i] for i in seqs]
     max_q, max_k = max(new), max(p + n for p, n in zip(prefix, new))
     index = torch.tensor(seqs, dtype=torch.int64, device=device)
     rows = batch.req_pool_indices[index]
@@ -121,34 +114,10 @@ def _extend_group(batch: ForwardBatch, seqs: list[int], starts: list[int]) -> Ex
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, in_kernels: bool = False):
-        """``in_kernels``: float32 attention on CPU runs in the CPU kernels
-        (``cpu_kernels.decode_attention`` / ``extend_attention``); else SDPA."""
-        self.in_kernels = in_kernels
-
-    def _in_kernel(self, batch: ForwardBatch) -> bool:
-        return (
-            self.in_kernels
-            and batch.input_ids.device.type == "cpu"
-            and batch.token_to_kv_pool.dtype == torch.float32
-        )
+    """Paged attention in PyTorch's SDPA (see the module's docstring)."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.forward_mode.is_decode() and self._in_kernel(batch):
-            batch.attn_metadata = TorchNativeMetadata(in_place=True)
-        elif (
-            batch.forward_mode.is_extend()
-            and self._in_kernel(batch)
-            and not batch.token_to_kv_pool.values_in_keys  # MLA expands its latent: SDPA
-        ):
-            new = batch.extend_seq_lens_cpu
-            starts = [0, *itertools.accumulate(new[:-1])]
-            seqs = torch.tensor([batch.extend_prefix_lens_cpu, new, starts], dtype=torch.int64)
-            rows = batch.req_pool_indices.to(torch.int64)[None, :]
-            batch.attn_metadata = TorchNativeMetadata(
-                in_place=True, extend_seqs=torch.cat((rows, seqs))
-            )
-        elif batch.forward_mode.is_decode():
+        if batch.forward_mode.is_decode():
             table = batch.req_to_token_pool.req_to_token
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
             indices = table[batch.req_pool_indices, :max_len]
@@ -157,9 +126,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             indices = torch.where(mask, indices, 0)  # padding reads the zeroed dummy slot
             batch.attn_metadata = TorchNativeMetadata(indices, mask[:, None, None, :])
         elif batch.forward_mode.is_extend() and batch.batch_size:
-            prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-            starts = [0, *itertools.accumulate(new[:-1])]
-            groups = [_extend_group(batch, g, starts) for g in group_extend(prefix, new)]
+            extend = ExtendSeqs.of(batch)
+            groups = group_extend(extend.prefix_lens, extend.new_lens)
+            groups = [_extend_group(batch, extend, seqs) for seqs in groups]
             batch.attn_metadata = TorchNativeMetadata(extend_groups=groups)
         else:
             batch.attn_metadata = TorchNativeMetadata(extend_groups=[])
@@ -170,13 +139,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buf = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         meta: TorchNativeMetadata = batch.attn_metadata
-        if meta.in_place:
-            if layer.kv_from_cache is not None:
-                raise RuntimeError("in-place extend attention reads keys as cached, not expanded")
-            return cpu_kernels.extend_attention(
-                q, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-                meta.extend_seqs, layer.scaling,
-            )  # fmt: skip
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         # On CPU, SDPA's fused kernel takes grouped KV heads as they are (same bits, no copy).
         gqa = q.device.type == "cpu"
@@ -212,16 +174,6 @@ class TorchNativeAttnBackend(AttentionBackend):
             batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
         pool = batch.token_to_kv_pool
-        if meta.in_place:
-            return cpu_kernels.decode_attention(
-                q,
-                pool.get_key_buffer(layer.layer_id),
-                pool.get_value_buffer(layer.layer_id),
-                batch.req_to_token_pool.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                layer.scaling,
-            )
         key = gather_slots(pool.get_key_buffer(layer.layer_id), meta.kv_indices)
         v_buf = pool.get_value_buffer(layer.layer_id)
         value = _value_like_key(key, pool, v_buf, meta.kv_indices, layer)

@@ -8,8 +8,8 @@ flash-attention launch over every sequence's prefix and new tokens.
   launches depend only on shapes and on ``num_kv_splits``: the CUDA-graph runner can capture it
   once per batch size and replay it with new lengths written into the same tensors
   (``static_decode_metadata``);
-- extend's per-sequence prefix lengths, new lengths and first query rows are built on the host
-  from the batch's lists and sent to the device in one transfer.
+- extend's per-sequence prefix lengths, new lengths and first query rows
+  (``ExtendSeqs``) are built on the host and sent to the device in one transfer.
 
 MLA runs both modes in the absorbed form (``absorbed_mla_extend``): MQA over the cached latent
 (one KV head, keys ``kv_lora_rank + rope`` wide, values the first ``kv_lora_rank`` columns of
@@ -19,13 +19,12 @@ supported.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from srt.layers.attention.base_attn_backend import AttentionBackend
+from srt.layers.attention.base_attn_backend import AttentionBackend, ExtendSeqs
 from srt.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
 
 if TYPE_CHECKING:
@@ -62,11 +61,9 @@ class TritonAttnBackend(AttentionBackend):
         if not batch.forward_mode.is_extend() or batch.batch_size == 0:
             batch.attn_metadata = TritonMetadata()
             return
-        prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-        starts = [0, *itertools.accumulate(new[:-1])]
-        info = torch.tensor([prefix, new, starts], dtype=torch.int64)
+        seqs = ExtendSeqs.of(batch)
         batch.attn_metadata = TritonMetadata(
-            info.to(batch.req_pool_indices.device, non_blocking=True), max(new)
+            seqs.table().to(batch.req_pool_indices.device, non_blocking=True), max(seqs.new_lens)
         )
 
     def forward_extend(self, q, k, v, layer: RadixAttention, batch: ForwardBatch,

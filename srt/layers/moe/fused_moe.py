@@ -73,12 +73,12 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
-        # Set by pack_weights, once loaded: the CPU kernel with w13 and w2 in its panel layout
+        # Set by prepare_for_cpu, once loaded: the CPU kernel with w13 and w2 in its panel layout
         # (``cpu_kernels``), or else per local expert oneDNN layouts of w13 and w2.
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def pack_weights(self) -> None:
+    def prepare_for_cpu(self) -> None:
         weights = (self.w13_weight, self.w2_weight)
         gate = self.w13_weight[:, : self.w2_weight.shape[-1]]  # its panels pair with up's
         if all(cpu_kernels.can_pack(w) for w in weights) and all(

@@ -41,9 +41,9 @@ class MoEGate(nn.Module):
             else None
         )
         self.fp32_logits = fp32_logits
-        self.packed_weight = None  # the CPU layout of the weight, set by pack_weights
+        self.packed_weight = None  # the CPU layout of the weight, set by prepare_for_cpu
 
-    def pack_weights(self) -> None:
+    def prepare_for_cpu(self) -> None:
         self.packed_weight = pack_weight(self.weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

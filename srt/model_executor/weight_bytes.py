@@ -1,0 +1,48 @@
+"""How many weight bytes a forward step reads, for the choices that go by it: the CPU threads
+of a step (``cpu_threads``), the model's size in the scheduler's report, and the bandwidth
+floor of a GPU decode step (``benchmark/gpu/gpu_report.py``).
+
+A step does not read the whole model: of the routed experts it reads at most ``tokens × top_k``
+experts' worth, so a mixture of experts that is large in all reads, for a few tokens, as little
+as a small model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from srt.layers.moe.moe_block import SparseMoeBlock
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """This rank's weight bytes: ``dense_bytes`` outside the routed experts, ``expert_bytes``
+    in them (``num_experts`` in the model, ``top_k`` per token)."""
+
+    dense_bytes: int
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WeightBytes:
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        total = sum(p.nbytes for p in model.parameters())
+        if not blocks:
+            return cls(total)
+        experts = sum(p.nbytes for b in blocks for p in b.experts.parameters())
+        first = blocks[0]
+        return cls(total - experts, experts, first.experts.num_experts, first.topk_config.top_k)
+
+    @property
+    def total(self) -> int:
+        return self.dense_bytes + self.expert_bytes
+
+    def read_by(self, tokens: int) -> int:
+        """The bytes a step of ``tokens`` tokens (a decode step: its sequences) reads: all but
+        the routed experts, and of those at most ``tokens × top_k`` experts' share."""
+        if not self.num_experts:
+            return self.total
+        share = min(1.0, tokens * self.top_k / self.num_experts)
+        return self.dense_bytes + int(self.expert_bytes * share)
