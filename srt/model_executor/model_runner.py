@@ -315,7 +315,7 @@ class ModelRunner:
                 forward_batch.num_tokens,
             )
         parts = self._attention_parts(forward_batch)
-        forward_batch.attn_parts = parts if len(parts) > 1 else None
+        forward_batch.attn_parts = None if parts[0].batch is forward_batch else parts
         for part in parts:
             self.attn_backend.init_forward_metadata(part.batch)
 
