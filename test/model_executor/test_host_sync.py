@@ -4,7 +4,8 @@ conversion or value-sized operation inside ``ModelRunner.forward``, for Qwen3-Mo
 and V3: on one rank, and on two ranks with DP attention and the ``low_latency`` all-to-all,
 with two-batch overlap forced on and with single-batch overlap (its fixed-shape blocked
 combine), a step where one DP group is idle included. The guard itself is checked to fire on
-each kind of synchronisation."""
+each kind of synchronisation, and to be on in each of those paths and in graph replay: a host
+read patched into the model fails the step through ``forward_step`` (the negative control)."""
 
 from __future__ import annotations
 
