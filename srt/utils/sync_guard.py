@@ -1,14 +1,18 @@
 """A guard against host synchronisation inside a forward pass.
 
-On a GPU, every tensor → Python conversion (``item``, ``tolist``, ``int(t)``, ``bool(t)``,
-``float(t)``, a tensor used as an index) and every operation whose output shape depends on
-tensor values (``nonzero``, ``bincount``, ``unique``, boolean-mask indexing,
-``repeat_interleave`` with tensor repeats and no ``output_size``) waits for the device: the host
-stalls, the queue of launched kernels drains, and the step cannot be captured in a CUDA graph.
-On CPU nothing waits, so such code passes every CPU test unnoticed; this guard makes it fail
-there too. ``forbid_host_sync()`` raises ``HostSyncError`` at the first such call made under
-it, on any device; on CUDA it also sets ``torch.cuda.set_sync_debug_mode("error")``, which
-catches the synchronisations it cannot see (a device → host copy, say).
+On a GPU, every tensor → Python value (``item``, ``tolist``, ``int(t)``, ``bool(t)``,
+``float(t)``, a tensor used as an index, ``x in t``, ``torch.equal``, ``torch.allclose``,
+``torch.is_nonzero``, ``repr(t)`` and ``format(t)``, a tensor given where a size or a Python
+number is expected: ``torch.arange(t)``, ``torch.full(size, t)``, ``t.narrow(0, s, n)``) and
+every operation whose output shape depends on tensor values (``nonzero``, one-argument
+``torch.where``, ``bincount``, ``unique``, boolean-mask indexing, ``repeat_interleave`` with
+tensor repeats and no ``output_size``) waits for the device: the host stalls, the queue of
+launched kernels drains, and the step cannot be captured in a CUDA graph. On CPU nothing
+waits, so such code passes every CPU test unnoticed; this guard makes it fail there too.
+``forbid_host_sync()`` raises ``HostSyncError`` at the first such call made under it, on any
+device; on CUDA it also sets ``torch.cuda.set_sync_debug_mode("error")``, which catches the
+synchronisations it cannot see (a device → host copy, say). Off, it costs nothing: the
+caller does not enter it.
 
 Metadata a step needs (lengths, slots, split points) is built on the host from the scheduler's
 own integers before the forward and moved to the device in one transfer, so nothing inside the
@@ -28,10 +32,13 @@ from torch.overrides import TorchFunctionMode
 _SYNCING = frozenset(
     {
         "item", "tolist", "__int__", "__bool__", "__float__", "__index__", "__complex__",
+        "__contains__", "__repr__", "__format__", "equal", "allclose", "is_nonzero",
         "nonzero", "argwhere", "bincount", "unique", "unique_consecutive", "masked_select",
         "numpy", "__array__",
     }
 )  # fmt: skip
+# Factories that read a tensor given as a size or a value on the host (``torch.arange(t)``).
+_FACTORIES = frozenset({"arange", "full", "zeros", "ones", "empty", "randint", "randperm"})
 
 
 class HostSyncError(RuntimeError):
@@ -43,9 +50,24 @@ def _has_mask_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _any_tensor(values) -> bool:
+    """A tensor among ``values``, or inside one of them that is a list or tuple (a size)."""
+    return any(
+        isinstance(v, torch.Tensor)
+        or (isinstance(v, (list, tuple)) and any(isinstance(i, torch.Tensor) for i in v))
+        for v in values
+    )
+
+
 def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
     if name in _SYNCING:
         return True
+    if name == "where":  # torch.where(condition): the indices of its true elements
+        return len(args) + len(kwargs) == 1
+    if name in _FACTORIES:
+        return _any_tensor(args)
+    if name == "narrow":  # a tensor start
+        return _any_tensor(args[1:])
     if name in ("__getitem__", "__setitem__", "index_put_", "index_put") and len(args) > 1:
         return _has_mask_index(args[1])
     if name == "repeat_interleave":

@@ -13,12 +13,16 @@ everyone), and the split steps must have handed over at the dispatchers' yields.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from helpers.overlap_script import MODELS, SCRIPT, assert_same, run_script, server_args
 from helpers.run_ranks import run_ranks
 
+from srt.batch_overlap.dual_batch_overlap import DboConfig, agree_dual_batch_overlap
 from srt.distributed.parallel_state import init_parallel_state
+from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -45,6 +49,7 @@ def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict
                 wrapper = runner.ubatches
                 dbo_steps = {m: n for (o, m), n in runner.step_counts.items() if o == "dbo"}
                 out[mode, name, dbo, "dbo"] = (dbo_steps, wrapper.num_yields)
+                out[name, "moe_layers"] = sum(layer.is_moe for layer in runner.model.model.layers)
                 wrapper.close()
         return out
     finally:
@@ -88,20 +93,47 @@ def test_dbo_equals_plain(results, dp, mode, name):
         counts, yields = out[mode, name, True, "dbo"]
         assert sum(counts.values()) == sum(expected), counts
         assert out[mode, name, False, "dbo"] == ({}, 0)
-        assert yields >= 2 * sum(expected), yields  # handed over at the dispatchers
+        # handed over at the dispatchers: in each MoE layer, each micro-batch at its dispatch
+        # and at its combine
+        assert yields == 4 * out[name, "moe_layers"] * sum(expected), yields
+
+
+# Each step's tokens per DP group (group 0, group 1), worked out by hand from SCRIPT.
+TOKENS = [(16, 11), (3, 2), (3, 0), (10, 6), (6, 4), (45, 32), (8, 3), (8, 7)]
+
+
+class _Batch(NamedTuple):
+    """What ``DboConfig.passes`` reads of a batch."""
+
+    forward_mode: ForwardMode
+    num_tokens: int
+
+
+def script_steps(column: list) -> list[tuple[ForwardMode | None, int]]:
+    """One DP group's column of SCRIPT as (mode, tokens) per step (None: no batch)."""
+    num_seqs, out = 0, []
+    for action in column:
+        if action is None:
+            out.append((None, 0))
+        elif action[0] == "decode":
+            out.append((ForwardMode.DECODE, num_seqs))
+        else:
+            kind, parts = action[0], action[1]
+            chunks = [tokens for _, _, tokens in parts] if kind == "shared" else parts
+            num_seqs += 0 if kind == "continue" else len(chunks)  # a continuation adds none
+            out.append((ForwardMode.EXTEND, sum(map(len, chunks))))
+    return out
 
 
 def test_expected_split_follows_the_rule():
-    """EXPECTED_SPLIT is vLLM's rule on the script's token counts, worked out here by hand:
-    group tokens per step (group 0, group 1) and whether each passes its threshold."""
-    tokens = [(16, 11), (3, 2), (3, 0), (10, 6), (6, 4), (45, 32), (8, 3), (8, 7)]
-    modes = [("e", "e"), ("d", "d"), ("d", None), ("e", "e"), ("e", "e"), ("e", "e"),
-             ("d", "e"), ("d", "d")]  # fmt: skip
-    assert len(tokens) == len(SCRIPT) == len(EXPECTED_SPLIT[2])
-    for step, (counts, kinds) in enumerate(zip(tokens, modes)):
-        passes = all(
-            kind is not None and n >= (PREFILL_THRESHOLD if kind == "e" else DECODE_THRESHOLD)
-            for n, kind in zip(counts, kinds)
-        )
-        half = max(counts) // 2
-        assert EXPECTED_SPLIT[2][step] == (passes and all(n > half for n in counts)), step
+    """EXPECTED_SPLIT is srt's DBO rule (each group's threshold, then the uniform agreement)
+    on the script's token counts, which are the hand-made table's."""
+    config = DboConfig(True, DECODE_THRESHOLD, PREFILL_THRESHOLD)
+    groups = [script_steps([step[g] for step in SCRIPT]) for g in (0, 1)]
+    assert list(zip(*[[n for _, n in steps] for steps in groups])) == TOKENS
+    for dp, expected in EXPECTED_SPLIT.items():
+        splits = []
+        for step in zip(*groups[:dp]):
+            rows = [(n, mode is not None and config.passes(_Batch(mode, n))) for mode, n in step]
+            splits.append(agree_dual_batch_overlap(rows) is not None)
+        assert splits == expected, dp

@@ -107,8 +107,25 @@ def test_error_raised_and_the_other_runs_on():
     with pytest.raises(RuntimeError, match="micro-batch 0 failed"):
         wrapper.run([batch(0), batch(1)])
     assert model.log[-1] == "C-send1"  # micro-batch 1 ran to its end alone
-    assert [o.tolist() for o in wrapper.run([batch(2), batch(3)])] == [[20, 20], [30, 30]] or True
+    threads = threading.active_count()
+    del model.log[:]
+    outs = run_within(10.0, wrapper.run, [batch(2), batch(3)])  # the same threads serve on
+    assert [o.tolist() for o in outs] == [[20, 20], [30, 30]]
+    assert model.log == ["A2", "D-send2", "A3", "D-recv2", "D-send3", "MLP2", "D-recv3",
+                         "C-send2", "MLP3", "C-recv2", "C-send3", "C-recv3"]  # fmt: skip
+    assert threading.active_count() == threads and wrapper.num_steps == 2
     wrapper.close()
+
+
+def run_within(seconds: float, fn, *args):
+    """``fn(*args)`` in a daemon thread: a worker that died with the failed micro-batch would
+    hang the caller forever; here it fails the test."""
+    out = []
+    caller = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    caller.start()
+    caller.join(seconds)
+    assert out, f"no result within {seconds} s: a worker thread is gone"
+    return out[0]
 
 
 def test_wrapper_passes_unsplit_batches_through():

@@ -15,11 +15,18 @@ import pytest
 from benchmark.cluster import emulated_cluster, emulated_serving
 from benchmark.common.netns import list_namespaces, netns_available
 
+NUMBER = r"-?\d+\.\d{3}"  # summary_line's "{:.3f}": no nan, no inf
 SUMMARY = re.compile(
-    r"summary: tbo_decode_speedup=\S+ tbo_prefill_speedup=\S+ "
-    r"dbo_decode_speedup=\S+ dbo_prefill_speedup=\S+ "
-    r"hidden_fraction=\S+ serving_auto_vs_off=\S+ serving_auto_vs_best=\S+"
-)
+    "summary: "
+    + " ".join(
+        f"{key}={NUMBER}"
+        for key in (
+            "tbo_decode_speedup", "tbo_prefill_speedup", "dbo_decode_speedup",
+            "dbo_prefill_speedup", "hidden_fraction", "serving_auto_vs_off",
+            "serving_auto_vs_best",
+        )
+    )
+)  # fmt: skip
 
 
 @pytest.mark.slow  # starts a 2-node server per mode
@@ -68,16 +75,30 @@ def test_summary_gives_the_serving_ratios_of_the_modes_served():
     assert emulated_cluster.serving_auto_ratios({"off": rec(1.0), "tbo": rec(2.0)}) == {}
 
 
-def test_summary_names_the_modes_compared():
-    def rows(speedup: float) -> list[dict]:
-        off = {"batch_size": 4, "variant": "x_off", "prefill_latency": 2.0,
-               "median_decode_latency": 1.0, "prefill_comm_seconds": 1.0,
-               "decode_comm_seconds": 0.5}  # fmt: skip
-        on = {"batch_size": 4, "variant": "x_on", "prefill_latency": 1.0,
-              "median_decode_latency": 0.5, "decode_speedup": speedup,
-              "prefill_speedup": speedup}  # fmt: skip
-        return [off, on]
+def rows(speedup: float, comm_seconds: float = 1.0) -> list[dict]:
+    """A one-batch comparison's off and on rows at batch size 4."""
+    off = {"batch_size": 4, "variant": "x_off", "prefill_latency": 2.0,
+           "median_decode_latency": 1.0, "prefill_comm_seconds": comm_seconds,
+           "decode_comm_seconds": comm_seconds / 2}  # fmt: skip
+    on = {"batch_size": 4, "variant": "x_on", "prefill_latency": 1.0,
+          "median_decode_latency": 0.5, "decode_speedup": speedup,
+          "prefill_speedup": speedup}  # fmt: skip
+    return [off, on]
 
+
+def test_summary_pattern_takes_finite_numbers_only():
+    """The end-to-end run's check: the line of a run that measured, not one with a nan (no
+    all-to-all time measured, say)."""
+    rec = lambda tput: {"output_throughput": tput}
+    serving = {"off": rec(10.0), "tbo": rec(12.0), "auto": rec(11.0)}
+    point = {"tbo": rows(1.5), "dbo": rows(1.25), "serving": serving}
+    assert SUMMARY.fullmatch(emulated_cluster.summary_line(point, 4))
+    point["tbo"] = rows(1.5, comm_seconds=0.0)  # no all-to-all time: hidden_fraction nan
+    line = emulated_cluster.summary_line(point, 4)
+    assert "hidden_fraction=nan" in line and not SUMMARY.fullmatch(line), line
+
+
+def test_summary_names_the_modes_compared():
     rec = lambda tput: {"output_throughput": tput}
     point = {"tbo": rows(1.5), "dbo": rows(1.25), "serving": {"off": rec(10.0), "dbo": rec(11.0)}}
     assert emulated_cluster.summary_line(point, 4) == (
