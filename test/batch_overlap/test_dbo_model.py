@@ -20,7 +20,8 @@ import torch
 from helpers.overlap_script import MODELS, SCRIPT, assert_same, run_script, server_args
 from helpers.run_ranks import run_ranks
 
-from srt.batch_overlap.dual_batch_overlap import DboConfig, agree_dual_batch_overlap
+from srt.batch_overlap.dual_batch_overlap import agree_dual_batch_overlap
+from srt.batch_overlap.step_split import SplitConfig
 from srt.distributed.parallel_state import init_parallel_state
 from srt.model_executor.forward_batch_info import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
@@ -103,7 +104,7 @@ TOKENS = [(16, 11), (3, 2), (3, 0), (10, 6), (6, 4), (45, 32), (8, 3), (8, 7)]
 
 
 class _Batch(NamedTuple):
-    """What ``DboConfig.passes`` reads of a batch."""
+    """What ``SplitConfig.passes`` reads of a batch."""
 
     forward_mode: ForwardMode
     num_tokens: int
@@ -128,7 +129,7 @@ def script_steps(column: list) -> list[tuple[ForwardMode | None, int]]:
 def test_expected_split_follows_the_rule():
     """EXPECTED_SPLIT is srt's DBO rule (each group's threshold, then the uniform agreement)
     on the script's token counts, which are the hand-made table's."""
-    config = DboConfig(True, DECODE_THRESHOLD, PREFILL_THRESHOLD)
+    config = SplitConfig("dbo", DECODE_THRESHOLD, PREFILL_THRESHOLD)
     groups = [script_steps([step[g] for step in SCRIPT]) for g in (0, 1)]
     assert list(zip(*[[n for _, n in steps] for steps in groups])) == TOKENS
     for dp, expected in EXPECTED_SPLIT.items():
