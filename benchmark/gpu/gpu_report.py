@@ -194,14 +194,11 @@ def main_runner(args):
 
 
 def expert_kernel(runner) -> str:
-    """How the routed experts run here (``FusedMoE._grouped_kernel``) on a decode batch."""
+    """How the routed experts run here (``FusedMoE.kernel``)."""
     from srt.layers.moe.fused_moe import FusedMoE
 
     experts = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
-    if experts is None:
-        return "none"
-    x = torch.empty(1, experts.w13_weight.shape[-1], dtype=runner.model_config.dtype)
-    return experts._grouped_kernel(x.to(runner.device))
+    return "none" if experts is None else experts.kernel.value
 
 
 def parse_args() -> argparse.Namespace:

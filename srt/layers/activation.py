@@ -7,9 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2·d] (gate | up) → silu(gate) · up, [..., d]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+class SiluAndMul(nn.Module):
+    """``silu_and_mul`` as a module."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return silu_and_mul(x)

@@ -1,6 +1,6 @@
 """Single-batch overlap without a model: the block partition, the blocked-combine layout
 (``compute_overlap_args``) against a brute-force reading of the same routing, the experts'
-blocked halves in every kind (``blocked_experts``, without host synchronisation) against a
+blocked halves with every kernel (``expert_compute``, without host synchronisation) against a
 per-pair reference, the SM split and the CPU combine stream."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt.layers.moe.blocked_experts import project_up
+from srt.layers.moe.expert_compute import compute_experts
+from srt.layers.moe.expert_kernel import ExpertKernel
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.overlap.single_batch_overlap import (
     SmSplit,
@@ -101,19 +102,19 @@ def _pair_output(moe: FusedMoE, hidden, weights, ids, row: int, slot: int) -> to
     return weights[row, slot] * (moe.w2_weight[e] @ act)
 
 
-@pytest.mark.parametrize("kind", ["grouped_mm", "loop", "triton", "cpu_kernel"])
-def test_blocked_experts_equal_the_pairs(kind):
+@pytest.mark.parametrize("kernel", list(ExpertKernel))
+def test_blocked_experts_equal_the_pairs(kernel):
     """3 blocks over 4 local experts: each block's row sums (row wire) and pair outputs (pair
     wire) against the pairs computed one by one; nothing but the loop reads a device value."""
     moe, hidden, weights, ids = _rank_one_rows(seed=3)
-    if kind == "cpu_kernel":
+    if kernel is ExpertKernel.CPU_KERNEL:
         moe.prepare_for_cpu()
         if moe.panels is None:
             pytest.skip("no C kernels on this machine")
-    guard = contextlib.nullcontext if kind == "loop" else forbid_host_sync
+    guard = contextlib.nullcontext if kernel is ExpertKernel.LOOP else forbid_host_sync
     local = ids - moe.start
     with guard():
-        projection = project_up(moe, kind, hidden, weights, ids)
+        projection = compute_experts(moe, kernel, hidden, weights, ids)
     for experts in block_ranges(4, 3):
         rows, slots = ((local >= experts.start) & (local < experts.stop)).nonzero(as_tuple=True)
         pairs = [_pair_output(moe, hidden, weights, ids, r, k) for r, k in zip(rows, slots)]
@@ -127,7 +128,7 @@ def test_blocked_experts_equal_the_pairs(kind):
 
 def test_blocked_experts_of_no_rows():
     moe, hidden, weights, ids = _rank_one_rows(seed=4)
-    projection = project_up(moe, "grouped_mm", hidden[:0], weights[:0], ids[:0])
+    projection = compute_experts(moe, ExpertKernel.GROUPED_MM, hidden[:0], weights[:0], ids[:0])
     assert projection.row_sums(range(0, 2)).shape == (0, HIDDEN)
     none = torch.zeros(0, dtype=torch.int64)
     assert projection.pair_outputs(range(0, 2), none, none).shape == (0, HIDDEN)

@@ -65,11 +65,11 @@ def test_one_expert_projection_equals_matmul():
     x = torch.randn(6, HIDDEN)
     for e in range(8):
         torch.testing.assert_close(
-            packed._linear(x, e, 0), x @ plain.w13_weight[e].T, atol=1e-5, rtol=1e-5
+            packed.expert_linear(x, e, 0), x @ plain.w13_weight[e].T, atol=1e-5, rtol=1e-5
         )
         act = torch.randn(6, INTER)
         torch.testing.assert_close(
-            packed._linear(act, e, 1), act @ plain.w2_weight[e].T, atol=1e-5, rtol=1e-5
+            packed.expert_linear(act, e, 1), act @ plain.w2_weight[e].T, atol=1e-5, rtol=1e-5
         )
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from helpers.forward_batches import extend_batch
 
 from srt.layers import cpu_kernels
+from srt.layers.activation import silu_and_mul
 from srt.layers.attention.cpu_backend import CpuAttnBackend, CpuAttnMetadata
 from srt.layers.attention.torch_native_backend import (
     MAX_PADDING_RATIO,
@@ -19,6 +20,7 @@ from srt.layers.attention.torch_native_backend import (
     TorchNativeMetadata,
     group_extend,
 )
+from srt.layers.moe.expert_kernel import ExpertKernel
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.radix_attention import RadixAttention
 from srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
@@ -165,9 +167,11 @@ def test_grouped_experts_equal_per_expert_loop(hidden, inter):
         for j in range(3):
             e = int(ids[t, j]) - 4
             if 0 <= e < 4:
-                expected[t] += weights[t, j] * moe._expert(e, x[t : t + 1])[0]
+                act = silu_and_mul(moe.w13_weight[e] @ x[t])
+                expected[t] += weights[t, j] * (moe.w2_weight[e] @ act)
     torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
-    assert (moe._grouped_kernel(x) == "grouped_mm") == (hidden % 4 == 0 and inter % 4 == 0)
+    grouped = hidden % 4 == 0 and inter % 4 == 0  # rows of whole 16-byte units
+    assert moe.kernel is (ExpertKernel.GROUPED_MM if grouped else ExpertKernel.LOOP)
 
 
 def _pools(dtype: torch.dtype, mla: bool):

@@ -39,6 +39,7 @@ __all__ = [
     "panel_width",
     "rms_norm",
     "rope",
+    "supports",
 ]
 
 
@@ -47,11 +48,17 @@ def available() -> bool:
     return load_library() is not None
 
 
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels run on weights of ``dtype`` on ``device``: float32 on CPU, with the
+    kernels available. Dense layers (``can_pack``) and the experts
+    (``srt.layers.moe.expert_kernel``) ask this one question."""
+    return device.type == "cpu" and dtype == torch.float32 and available()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels: float32 on
-    CPU, with the kernels available. The experts' kernel also needs N to fill whole panels
-    (``fills_panels``)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and available()
+    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels (``supports``).
+    The experts' kernel also needs N to fill whole panels (``fills_panels``)."""
+    return supports(weight.device, weight.dtype)
 
 
 def fills_panels(weight: torch.Tensor) -> bool:

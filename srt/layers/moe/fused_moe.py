@@ -1,40 +1,17 @@
-"""Routed experts: stacked expert weights and their forward on CPU or GPU in plain PyTorch."""
+"""Routed experts: stacked expert weights, laid out and run by the kernel that
+``expert_kernel.choose_expert_kernel`` picks for them (``expert_compute``)."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import cpu_kernels
 from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
-from srt.layers.moe.blocked_experts import BlockedProjection, project_up
+from srt.layers.moe.blocked_experts import BlockedProjection
+from srt.layers.moe.expert_compute import compute_experts
+from srt.layers.moe.expert_kernel import ExpertKernel, choose_expert_kernel
 from srt.layers.overlap.single_batch_overlap import DownGemmOverlapArgs, RowSumOverlapArgs
-
-# On CPU, experts whose gate/up weight is at least this large run one GEMM each
-# (``FusedMoE._grouped_kernel``).
-GROUPED_MAX_EXPERT_BYTES = 1 << 20
-
-
-@functools.cache
-def _triton_kernels():
-    """``fused_moe_triton`` where triton imports (imported on first use: CPU serving never
-    needs it), else None."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from srt.layers.moe import fused_moe_triton
-
-    return fused_moe_triton
-
-
-@functools.cache
-def _has_grouped_mm(device: torch.device) -> bool:
-    # torch's grouped GEMM kernels are built for sm90 and sm100; elsewhere it loops over the
-    # groups reading their offsets on the host.
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 class FusedMoE(nn.Module):
@@ -73,25 +50,43 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
-        # Set by prepare_for_cpu, once loaded: the CPU kernel with w13 and w2 in its panel layout
-        # (``cpu_kernels``), or else per local expert oneDNN layouts of w13 and w2.
+        # Set by prepare_for_cpu, once loaded: w13 and w2 in the C kernel's panels (``cpu_kernels``)
+        # or, for the loop, per local expert in oneDNN's layout.
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.packed_kernel: ExpertKernel | None = None
+
+    @property
+    def kernel(self) -> ExpertKernel:
+        """The kernel that runs these experts (``choose_expert_kernel``): once ``prepare_for_cpu``
+        ran, the one it laid the weights out for (kept: asking costs 3-5 µs a call, reading it
+        0.3); before, one that reads torch's layout."""
+        if self.packed_kernel is not None:
+            return self.packed_kernel
+        return self._choose_kernel(in_panels=False)
+
+    def _choose_kernel(self, in_panels: bool) -> ExpertKernel:
+        w = self.w13_weight
+        return choose_expert_kernel(
+            w.device, w.dtype, w.shape[-1], self.intermediate_size, in_panels
+        )
 
     def prepare_for_cpu(self) -> None:
-        weights = (self.w13_weight, self.w2_weight)
-        gate = self.w13_weight[:, : self.w2_weight.shape[-1]]  # its panels pair with up's
-        if all(cpu_kernels.can_pack(w) for w in weights) and all(
-            cpu_kernels.fills_panels(w) for w in (gate, self.w2_weight)
-        ):
-            self.panels = tuple(cpu_kernels.pack_panels(w) for w in weights)
-            return
-        packed = [
-            (pack_weight(w13), pack_weight(w2)) for w13, w2 in zip(self.w13_weight, self.w2_weight)
-        ]
-        self.packed = packed if packed and packed[0][0] is not None else None
+        """Once loaded, on CPU: the weights in the layout their kernel reads, the C kernel's
+        panels or, for the loop, oneDNN's per expert (``pack_weight``)."""
+        self.packed_kernel = self._choose_kernel(in_panels=True)
+        if self.packed_kernel is ExpertKernel.CPU_KERNEL:
+            self.panels = tuple(
+                cpu_kernels.pack_panels(w) for w in (self.w13_weight, self.w2_weight)
+            )
+        elif self.packed_kernel is ExpertKernel.LOOP:
+            packed = [
+                (pack_weight(w13), pack_weight(w2))
+                for w13, w2 in zip(self.w13_weight, self.w2_weight)
+            ]
+            self.packed = packed if packed and packed[0][0] is not None else None
 
-    def _linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
+    def expert_linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
         """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
         weight = (self.w13_weight, self.w2_weight)[which][e]
         if self.panels is not None:
@@ -117,84 +112,9 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H]; topk_* [T, topk] with global ids → Σ_k w·expert(x), [T, H].
-
-        Ids outside this rank's range contribute nothing (they are another rank's). The
-        (token, slot) pairs are sorted by expert and every expert runs on its contiguous rows:
-        one grouped GEMM per projection where the device supports it, else a loop. On CPU in
-        float32 all of it is one call of the C kernel."""
-        if self.panels is not None and hidden_states.dtype == torch.float32:
-            return cpu_kernels.fused_experts(
-                hidden_states, topk_weights, topk_ids, self.start, *self.panels
-            )
-        num_tokens, top_k = topk_ids.shape
-        if num_tokens == 0:
-            return torch.zeros_like(hidden_states)
-        if self._grouped_kernel(hidden_states) == "triton":
-            return _triton_kernels().fused_experts_triton(
-                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.start
-            )
-        # Every (token, slot) pair is kept, other ranks' last: their count is the device's to
-        # know, and cutting them off would synchronise with it.
-        local_ids = (topk_ids - self.start).flatten()  # [T·topk]
-        outside = (local_ids < 0) | (local_ids >= self.num_local_experts)
-        local_ids = local_ids.masked_fill(outside, self.num_local_experts)  # sorts last
-        order = torch.argsort(local_ids, stable=True)  # [T·topk]
-        ends = self._expert_ends(local_ids.index_select(0, order))  # [E_local]
-        # index_select: several times faster on CPU than indexing with a tensor.
-        x = hidden_states.index_select(0, order // top_k)  # [T·topk, H], grouped by expert
-        if self._grouped_kernel(x) == "grouped_mm":
-            out = self._grouped_experts(x, ends)
-        else:
-            out = self._looped_experts(x, torch.diff(ends, prepend=ends.new_zeros(1)).tolist())
-        # Rows past the last local expert are not computed (they may hold anything): zero them.
-        out = torch.where(outside.index_select(0, order).unsqueeze(1), 0.0, out)
-        slots = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
-        weights = topk_weights.to(hidden_states.dtype).unsqueeze(-1)  # [T, topk, 1]
-        return (slots.view(num_tokens, top_k, -1) * weights).sum(dim=1)
-
-    def _expert_ends(self, sorted_ids: torch.Tensor) -> torch.Tensor:
-        """The end row of each local expert in ``sorted_ids`` [P] (int32 [E_local]), found on
-        the device: ``bincount``'s output size depends on the values, so it synchronises."""
-        experts = torch.arange(1, self.num_local_experts + 1, device=sorted_ids.device)
-        return torch.searchsorted(sorted_ids, experts).to(torch.int32)
-
-    def _grouped_kernel(self, x: torch.Tensor) -> str:
-        """How the experts run on ``x``'s device and dtype: ``grouped_mm`` (torch's grouped
-        GEMM), ``triton`` (``fused_moe_triton``: one launch per projection) or ``loop`` (one
-        GEMM per expert, after reading the counts on the host).
-
-        GPU: ``torch._grouped_mm`` takes bf16 on sm90 and newer (12× the loop on an H100 for
-        one layer's gate/up, 512 rows × 128 experts); other dtypes and devices take the Triton
-        kernel. Neither synchronises with the host. CPU: the grouped GEMM, for row strides that
-        are multiples of 16 bytes and experts small enough that per-op overhead, not memory,
-        bounds them; large experts see a few tokens each in decode, and the loop gives those
-        oneDNN's kernel on packed weights (``srt.layers.linear.pack_weight``), which streams
-        them several times faster."""
-        align = 16 // x.element_size()
-        aligned = x.shape[1] % align == 0 and self.intermediate_size % align == 0
-        if x.device.type == "cuda":
-            if aligned and x.dtype == torch.bfloat16 and _has_grouped_mm(x.device):
-                return "grouped_mm"
-            return "triton" if _triton_kernels() is not None else "loop"
-        small = self.w13_weight[0].nbytes < GROUPED_MAX_EXPERT_BYTES
-        return "grouped_mm" if hasattr(torch, "_grouped_mm") and aligned and small else "loop"
-
-    def _grouped_experts(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x [P, H] sorted by expert, ``offsets`` [E] the end of each expert's rows (rows past
-        the last end are left uncomputed)."""
-        gate_up = torch._grouped_mm(x, self.w13_weight.transpose(1, 2), offs=offsets)
-        i = self.intermediate_size
-        h = F.silu(gate_up[:, :i]) * gate_up[:, i:]
-        return torch._grouped_mm(h, self.w2_weight.transpose(1, 2), offs=offsets)
-
-    def _looped_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [P, H] sorted by expert, ``counts`` the rows of each; rows past them stay zero."""
-        out, begin = x.new_zeros(x.shape[0], self.w2_weight.shape[1]), 0
-        for e, n in enumerate(counts):
-            if n:
-                out[begin : begin + n] = self._expert(e, x[begin : begin + n])
-            begin += n
-        return out
+        Ids outside this rank's range contribute nothing (they are another rank's)."""
+        compute = compute_experts(self, self.kernel, hidden_states, topk_weights, topk_ids)
+        return compute.output()
 
     # ---------------------------------------------------------------- single-batch overlap
     def up_project_blocks(
@@ -206,12 +126,9 @@ class FusedMoE(nn.Module):
     ) -> BlockedProjection:
         """SBO, first half: the gated up-projection of every (row, slot) pair of this rank's
         experts (with the C kernel, nothing yet); ``down_project_block`` finishes one block at a
-        time. No host synchronisation but in the ``loop`` kind (see ``blocked_experts``)."""
-        kind = self._grouped_kernel(hidden_states)
-        if self.panels is not None and hidden_states.dtype == torch.float32:
-            kind = "cpu_kernel"
-        projection = project_up(self, kind, hidden_states, topk_weights, topk_ids)
-        return BlockedProjection(projection, args, self.num_local_experts)
+        time. No host synchronisation but with the ``LOOP`` kernel (see ``expert_compute``)."""
+        compute = compute_experts(self, self.kernel, hidden_states, topk_weights, topk_ids)
+        return BlockedProjection(compute, args, self.num_local_experts)
 
     def down_project_block(self, blocks: BlockedProjection, index: int) -> torch.Tensor:
         """SBO, second half for block ``index``: with ``RowSumOverlapArgs`` (low_latency) each
@@ -219,8 +136,3 @@ class FusedMoE(nn.Module):
         ``DownGemmOverlapArgs`` (normal) the block's pairs' weighted outputs ``[P, H]`` in the
         block's pair order (the order its combine sends them)."""
         return blocks.down(index)
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, e, 0)
-        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]
-        return self._linear(h, e, 1)

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from srt.layers.activation import silu_and_mul
+from srt.layers.moe.sorted_pairs import sort_pairs
 
 
 class MoEKernelConfig(NamedTuple):
@@ -46,15 +48,12 @@ def moe_align_block_size(
     device ops with value-independent shapes, so no host synchronisation."""
     num_pairs, num_e, device = topk_ids.numel(), num_local_experts, topk_ids.device
     max_padded = _round_up(num_pairs + num_e * (block_size - 1), block_size)
-    local = topk_ids.flatten().long() - start  # [P]
-    local = local.masked_fill((local < 0) | (local >= num_e), num_e)  # other ranks' sort last
+    local, order, expert_of = sort_pairs(topk_ids, start, num_e)  # [P] each, others' last
     counts = torch.zeros(num_e + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, local, torch.ones_like(local))  # [E+1], bincount without its sync
     padded = (counts[:num_e] + block_size - 1) // block_size * block_size  # [E]
     padded_ends = padded.cumsum(0)  # [E]
     padded_starts = torch.cat([padded_ends.new_zeros(1), padded_ends])  # [E+1]
-    order = torch.argsort(local, stable=True)  # [P]
-    expert_of = local.index_select(0, order)  # [P], ascending
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
     # Other ranks' pairs all land in one extra slot past the end, cut off below.
     dest = torch.where(expert_of < num_e, padded_starts[expert_of] + rank, max_padded)  # [P]
@@ -154,6 +153,44 @@ def invoke_fused_moe_kernel(
     )  # fmt: skip
 
 
+def _check_dtypes(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"dtypes differ: {a.dtype}, {b.dtype}")
+
+
+def gated_up_triton(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    top_k: int,
+    config: MoEKernelConfig,
+) -> torch.Tensor:
+    """silu(gate·x) * (up·x) of every pair placed by ``aligned``, ``[T·topk, I]``; the rows of
+    other ranks' pairs hold anything (nothing reads them). hidden_states [T, H]; w13
+    [E_local, 2·I, H] (gate rows then up rows)."""
+    _check_dtypes(hidden_states, w13)
+    num_pairs = hidden_states.shape[0] * top_k
+    gate_up = hidden_states.new_empty(num_pairs, w13.shape[1])  # [T·topk, 2I]
+    invoke_fused_moe_kernel(hidden_states, w13, gate_up, None, aligned, top_k, config)
+    return silu_and_mul(gate_up)
+
+
+def down_triton(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    config: MoEKernelConfig,
+) -> torch.Tensor:
+    """Each pair placed by ``aligned`` weighted by ``topk_weights`` [T, topk] (float32) times
+    w2 · its ``act`` row, ``[T·topk, H]``; zero for the pairs ``aligned`` leaves out (other
+    ranks', or blocks marked -1). act [T·topk, I]; w2 [E_local, H, I]."""
+    _check_dtypes(act, w2)
+    out = act.new_zeros(act.shape[0], w2.shape[1])
+    invoke_fused_moe_kernel(act, w2, out, topk_weights, aligned, 1, config)
+    return out
+
+
 def fused_experts_triton(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -171,19 +208,12 @@ def fused_experts_triton(
     ``[start, start + E_local)``, the rest contributing nothing. ``config`` overrides the
     block sizes, ``block_size`` only the rows per block. No host synchronisation."""
     num_tokens, top_k = topk_ids.shape
-    hidden, inter = hidden_states.shape[1], w2.shape[2]
     if num_tokens == 0:
-        return hidden_states.new_zeros(0, hidden)
-    if not hidden_states.dtype == w13.dtype == w2.dtype:
-        raise TypeError(f"dtypes differ: {hidden_states.dtype}, {w13.dtype}, {w2.dtype}")
+        return hidden_states.new_zeros(0, hidden_states.shape[1])
     config = config or default_config(num_tokens * top_k, w13.shape[0])
     if block_size is not None:
         config = config._replace(block_m=block_size)
     aligned = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], start)
-    # Rows of other ranks' pairs stay unwritten here; nothing reads them.
-    gate_up = hidden_states.new_empty(num_tokens * top_k, 2 * inter)  # [T·topk, 2I]
-    invoke_fused_moe_kernel(hidden_states, w13, gate_up, None, aligned, top_k, config)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [T·topk, I]
-    out = hidden_states.new_zeros(num_tokens * top_k, hidden)  # other ranks' pairs: zero
-    invoke_fused_moe_kernel(act, w2, out, topk_weights.float(), aligned, 1, config)
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+    act = gated_up_triton(hidden_states, w13, aligned, top_k, config)  # [T·topk, I]
+    out = down_triton(act, w2, topk_weights.float(), aligned, config)  # [T·topk, H]
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
