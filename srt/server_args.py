@@ -370,8 +370,7 @@ class ServerArgs(DebugArgs, OverlapArgs):
 
     # ----------------------------------------------------------------------------------
     def check_and_resolve(self) -> None:
-        """Validate every flag once and resolve the "auto" values (and the environment
-        variables that alias flags)."""
+        """Validate every flag once; resolve "auto" values and environment aliases."""
         apply_env_aliases(self)
         if self.model_path is None:
             raise ValueError("--model-path is required: a Hugging Face model directory")
