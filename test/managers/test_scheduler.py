@@ -107,7 +107,9 @@ RETRACTION_CASES = {
     "unchunked": {"chunked_prefill_size": -1, **UNMIXED},
     "chunked": {"chunked_prefill_size": 8, **UNMIXED},
     "no-radix": {"chunked_prefill_size": 8, "disable_radix_cache": True, **UNMIXED},
-    "mixed": {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
+    # Whole prompts in a few large chunks, so that the running requests fill the pool faster
+    # than the prefills let them finish (in chunks of 8, none is retracted).
+    "mixed": {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "max_total_tokens": 100},
 }
 
 
@@ -125,13 +127,12 @@ RETRACTION_CASES = {
 def test_retraction_keeps_greedy_output(assert_kv_pool_full, reference, kwargs):
     path, _, prompts, alone = reference
     # No burst hold: its decode steps (wall-clock bound) would ease the pool's pressure.
-    with engine(path, max_total_tokens=150, prefill_burst_hold_ms=0, **kwargs) as eng:
+    with engine(path, **{"max_total_tokens": 150, "prefill_burst_hold_ms": 0, **kwargs}) as eng:
         assert output_ids(eng, prompts) == alone
         state = eng.get_server_info()["internal_states"][0]
+        assert state["num_retracted_reqs"] > 0, state
         if kwargs.get("enable_mixed_chunk"):  # a tight pool with decodes inside the prefills
             assert state["num_non_tbo_steps"].get("mixed", 0) > 0, state
-        else:
-            assert state["num_retracted_reqs"] > 0
         assert_kv_pool_full(eng)
 
 

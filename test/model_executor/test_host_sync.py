@@ -80,8 +80,9 @@ OVERLAPS = {"tbo": TBO, "sbo": dict(enable_single_batch_overlap=True, sbo_num_bl
 
 
 def _fault_in(runner: ModelRunner) -> None:
-    """The negative control: the input norm of the first layer a split step runs split asks
-    the device for a value (an instance's method patched, nothing of the runner's)."""
+    """The negative control: the input norm of the first layer that a split step runs split
+    (Qwen3's first, DeepSeek's first MoE layer) asks the device for a value; an instance's
+    method is patched, nothing of the runner's."""
     model = runner.model.model
     norm = model.layers[model.tbo_start_layer].input_layernorm
     forward = norm.forward
@@ -118,8 +119,9 @@ def _guarded_case(runner: ModelRunner, driver: SeqDriver, idle: bool, decodes: i
 
 
 def _with_graphs(runner: ModelRunner) -> ModelRunner:
-    """Decode replayed from "graphs" run eagerly over their static buffers (CPU has none);
-    only the faulted step decodes, so the attention backend's graph support never matters."""
+    """Decode replayed from "graphs" run eagerly over their static buffers (CPU has none).
+    Only the faulted step decodes, and on GRAPH_MODEL the fault comes before any attention,
+    so the attention backend's graph support never matters."""
     runner.graph_runner = CudaGraphRunner(runner, [1, 2, 4], eager=True)
     return runner
 
