@@ -6,7 +6,7 @@ two micro-batches alive at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -65,9 +65,6 @@ class StepSplit:
     @property
     def is_split(self) -> bool:
         return self.mode in SPLIT_MODES
-
-    def with_mode(self, mode: str) -> StepSplit:
-        return replace(self, mode=mode)
 
     def child(self) -> StepSplit:
         return StepSplit(self.mode)
