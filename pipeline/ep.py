@@ -10,8 +10,8 @@ the owner runs its experts and sends the rows back (combine); the sender weights
 The backward of an exchange is the reverse exchange of the gradients.
 
 Every exchange, forward or backward, is a hand-over point in the sense of dual-batch overlap
-(``srt.batch_overlap.ubatching``): it first runs the receive hook the other thread left, sends,
-leaves its own wait as the other thread's hook, and yields. With ``--moe-fb-overlap`` the
+(``srt.layers.overlap.ubatch_context``): it first runs the receive hook the other thread left,
+sends, leaves its own wait as the other thread's hook, and yields. With ``--moe-fb-overlap`` the
 executor runs an F&B pair's forward and backward in the two ubatch threads, so one's exchange
 is in flight while the other computes; outside such a pair the calls do nothing. A group of one
 rank exchanges nothing but still hands over, so the interleaving is the same at any EP size.

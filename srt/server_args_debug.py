@@ -18,7 +18,7 @@ from srt.server_args_overlap import _arg
 
 class EnvAlias(NamedTuple):
     """An environment variable and the ``ServerArgs`` field it sets: a flag is on when the
-    variable is ``1``; a path field takes the variable's value."""
+    variable is set to anything but ``0``; a path field takes the variable's value."""
 
     variable: str
     field: str
@@ -64,4 +64,4 @@ def apply_env_aliases(args: object, environ: Mapping[str, str] = os.environ) -> 
         value = environ.get(variable)
         if not value or getattr(args, name) != defaults[name]:
             continue
-        setattr(args, name, value == "1" if isinstance(defaults[name], bool) else value)
+        setattr(args, name, value != "0" if isinstance(defaults[name], bool) else value)

@@ -1,7 +1,8 @@
 """Where the time between two chunks of a stream goes: a per-token timeline across srt's
 processes, and the tokens each SSE chunk carried.
 
-Starts srt with ``SRT_STREAM_TRACE`` (``srt/utils/stream_trace.py``: each process logs, per
+Starts srt with ``SRT_STREAM_TRACE`` (the alias of ``--stream-trace-dir``;
+``srt/utils/stream_trace.py``: each process logs, per
 request and message, when the scheduler sent a step's output, when the detokenizer sent its
 text on, when the HTTP process received it and when the stream handed a chunk to the
 response), streams ``--num-prompts`` greedy ``/generate`` requests (``ignore_eos``; each event
@@ -36,7 +37,7 @@ import httpx
 
 from benchmark.common.server import ServerProcess
 
-ENV = "SRT_STREAM_TRACE"  # srt/utils/stream_trace.py's (not imported: runs against any srt)
+ENV = "SRT_STREAM_TRACE"  # --stream-trace-dir's alias (not imported: runs against any srt)
 
 STAGES = ("scheduler", "detokenizer", "tokenizer", "http", "client")
 

@@ -17,8 +17,7 @@ class RMSNorm(nn.Module):
 
     def prepare_for_cpu(self) -> None:
         """Once loaded, on CPU: run float32 norms in one C call (``cpu_kernels.rms_norm``)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
-            self.in_kernel = cpu_kernels.available()
+        self.in_kernel = cpu_kernels.supports(self.weight.device, self.weight.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -42,7 +42,7 @@ import torch
 from srt.batch_overlap.step_split import plan_split, settle_split
 from srt.layers.logits_processor import LogitsProcessorOutput
 from srt.model_executor.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
-from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, StepSplit
 
 if TYPE_CHECKING:
     from srt.model_executor.model_runner import ModelRunner
@@ -156,7 +156,7 @@ class CudaGraphRunner:
         out = graph.run()
         self.num_replays += 1
         if batch is not None:  # the bucket's plan ran (its split point is the bucket's)
-            batch.split = graph.batch.split.child()
+            batch.split = StepSplit(graph.batch.split.mode)
         return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
 
     def _fill(self, batch: ForwardBatch | None, n: int, bs: int) -> None:

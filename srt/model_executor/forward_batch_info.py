@@ -188,9 +188,8 @@ def mla_attention_parts(
     holds but for one token. Such a row attends exactly as a decode step does, so that run
     becomes a DECODE part attending absorbed, rather than expanding its whole history, and the
     sequences before it (if any) an EXTEND part."""
-    whole = AttnPart(
-        batch, 0, batch.num_tokens, absorbed_extend or not batch.forward_mode.is_extend()
-    )
+    expands = batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
+    whole = AttnPart(batch, 0, batch.num_tokens, absorbed_extend or not expands)
     if whole.absorbed or not split:
         return (whole,)
     prefix, new = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu

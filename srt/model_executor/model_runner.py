@@ -140,7 +140,7 @@ class ModelRunner:
         """Hand the model the executors of a step split in two micro-batches (models import
         none): TBO's interleaved operations for its overlapped layers, DBO's threads."""
         self.model.model.run_layers_overlapped = run_layers_overlapped
-        self.model.run_body = self.ubatches = UBatchWrapper(self.model.model)
+        self.model.run_body = UBatchWrapper(self.model.model)
 
     def _init_attention_backend(self) -> None:
         """``--attention-backend`` (resolved by ServerArgs), wrapped for two-batch overlap."""

@@ -1,6 +1,6 @@
 """How many weight bytes a forward step reads, for the choices that go by it: the CPU threads
 of a step (``cpu_threads``), the model's size in the scheduler's report, and the bandwidth
-floor of a GPU decode step (``benchmark/gpu/gpu_report.py``).
+floor of a GPU decode step (``benchmark/gpu/decode_figures.py``).
 
 A step does not read the whole model: of the routed experts it reads at most ``tokens × top_k``
 experts' worth, so a mixture of experts that is large in all reads, for a few tokens, as little

@@ -47,7 +47,7 @@ def dbo_worker(rank: int, n: int, init_method: str, dp: int, runs: list) -> dict
                 )  # fmt: skip
                 runner = ModelRunner(args, parallel=parallel)
                 out[mode, name, dbo] = run_script(runner, dp)
-                wrapper = runner.ubatches
+                wrapper = runner.model.run_body
                 dbo_steps = {m: n for (o, m), n in runner.step_counts.items() if o == "dbo"}
                 out[mode, name, dbo, "dbo"] = (dbo_steps, wrapper.num_yields)
                 out[name, "moe_layers"] = sum(layer.is_moe for layer in runner.model.model.layers)

@@ -13,7 +13,6 @@ import torch
 from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.layers.overlap.ubatch_context import (
     current_context,
-    dbo_enabled,
     dbo_maybe_run_recv_hook,
     dbo_register_recv_hook,
     dbo_yield,
@@ -57,7 +56,7 @@ class Layers:
 
 
 def test_plain_calls_do_nothing_outside_dbo():
-    assert not dbo_enabled() and current_context() is None
+    assert current_context() is None
     dbo_yield()
     dbo_register_recv_hook(lambda: pytest.fail("a hook outside DBO"))
     dbo_maybe_run_recv_hook()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from helpers.seq_driver import SeqDriver
+from srt.model_executor.forward_batch_info import SPLIT_MODES
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
@@ -65,7 +66,7 @@ def run_script(runner: ModelRunner, dp: int) -> tuple[list, list[bool]]:
         out = runner.forward_step(batch)
         if batch is None:  # another group has work (the script has no all-idle step)
             assert dp > 1 and out.next_token_logits.shape[0] == 0
-            split.append(runner.last_dp_sync.can_split)
+            split.append(runner.step_overlap.mode in SPLIT_MODES)  # the settled mode
             continue
         results.append(logprobs(out))
         split.append(batch.split.is_split)

@@ -32,7 +32,6 @@ __all__ = [
     "can_pack",
     "decode_attention",
     "extend_attention",
-    "fills_panels",
     "fused_experts",
     "pack_panels",
     "panel_linear",
@@ -57,13 +56,8 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels (``supports``).
-    The experts' kernel also needs N to fill whole panels (``fills_panels``)."""
+    The experts' kernel also needs whole panels (``expert_kernel.choose_expert_kernel``)."""
     return supports(weight.device, weight.dtype)
-
-
-def fills_panels(weight: torch.Tensor) -> bool:
-    """Whether N is a whole number of panels (no padded columns)."""
-    return weight.shape[-2] % panel_width() == 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Which kernel runs the routed experts: one function of the device, the weights' dtype and
 the shapes (``choose_expert_kernel``), asked by ``FusedMoE`` when it lays its weights out and
-when it runs, and by whoever reports what runs."""
+when it runs."""
 
 from __future__ import annotations
 

@@ -130,10 +130,6 @@ def current_context() -> UBatchContext | None:
     return getattr(_local, "context", None)
 
 
-def dbo_enabled() -> bool:
-    return current_context() is not None
-
-
 def dbo_yield() -> None:
     """Hand the turn to the other micro-batch and sleep until it hands it back."""
     ctx = current_context()

@@ -61,7 +61,7 @@ class TokenDispatcher(abc.ABC):
     back block by block (single-batch overlap; None: whenever the dispatcher has a blocked
     combine, True where it has none is an error).
 
-    Dual-batch overlap (``srt.batch_overlap.ubatching``, vLLM's schedule): each ``_a`` first
+    Dual-batch overlap (``srt.layers.overlap.ubatch_context``, vLLM's schedule): each ``_a`` first
     runs the receive hook the other micro-batch left (``dbo_maybe_run_recv_hook``), then
     sends; each ``_b`` first hands over (``_hand_over``): it leaves the wait for its exchange
     to the other micro-batch and yields, then receives. The calls do nothing outside DBO."""
