@@ -116,11 +116,11 @@ class DeepseekV2MLA(nn.Module):
         kv_a = self.kv_a_layernorm(kv_a).unsqueeze(1)  # [T, 1, L]
         q_pe, k_pe = self.rotary_emb(state.positions, q_pe, k_pe.unsqueeze(1))
         k = torch.cat((kv_a, k_pe), dim=-1)  # [T, 1, L + rope]: the cache row
+        parts = self._parts(state.batch)
         queries = [
-            self._query(q_nope[p.start : p.end], q_pe[p.start : p.end], p.absorbed)
-            for p in self._parts(state.batch)
+            self._query(q_nope[p.start : p.end], q_pe[p.start : p.end], p.absorbed) for p in parts
         ]
-        state.put(attn_intermediate=(queries, k, kv_a))
+        state.put(attn_intermediate=(parts, queries, k, kv_a))
 
     @staticmethod
     def _parts(batch) -> tuple[AttnPart, ...]:
@@ -142,9 +142,9 @@ class DeepseekV2MLA(nn.Module):
         return torch.cat((q_latent, q_pe), dim=-1)
 
     def op_core_attn(self, state: LayerState) -> None:
-        queries, k, v = state.pop("attn_intermediate")
+        parts, queries, k, v = state.pop("attn_intermediate")
         outs = []
-        for q, p in zip(queries, self._parts(state.batch)):
+        for q, p in zip(queries, parts):
             attend = self._absorbed_attn if p.absorbed else self.attn_mha
             outs.append(attend(q, k[p.start : p.end], v[p.start : p.end], p.batch))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)

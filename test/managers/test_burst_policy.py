@@ -129,6 +129,13 @@ class FakeClock:
         return self.now
 
 
+def _hold_args(path: str) -> ServerArgs:
+    """Unmixed, so each step's shape shows the hold alone."""
+    return ServerArgs(
+        model_path=path, max_total_tokens=1024, chunked_prefill_size=64, disable_mixed_chunk=True
+    )
+
+
 def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
     """While a request decodes, requests that keep arriving are not prefilled one by one: the
     running one decodes until none came for BURST_QUIET_S, then they are prefilled in one
@@ -136,13 +143,7 @@ def test_prefill_waits_for_the_rest_of_a_burst(qwen3_moe_path, monkeypatch):
     prompts fill a prefill batch, nor when nothing decodes."""
     clock = FakeClock()
     monkeypatch.setattr(time, "monotonic", clock)
-    # Unmixed, so each step's shape shows the hold alone.
-    args = ServerArgs(
-        model_path=qwen3_moe_path,
-        max_total_tokens=1024,
-        chunked_prefill_size=64,
-        disable_mixed_chunk=True,
-    )
+    args = _hold_args(qwen3_moe_path)
     scheduler = Scheduler(args)
     _, steps = record_batches(scheduler)
 
@@ -182,13 +183,7 @@ def test_ranks_hold_alike_on_the_entry_rank_clock(qwen3_moe_path, monkeypatch):
     rank descheduled on a busy host), past BURST_QUIET_S, and still holds as the first does."""
     clock = FakeClock()
     monkeypatch.setattr(time, "monotonic", clock)
-    # Unmixed, so each step's shape shows the hold alone.
-    args = ServerArgs(
-        model_path=qwen3_moe_path,
-        max_total_tokens=1024,
-        chunked_prefill_size=64,
-        disable_mixed_chunk=True,
-    )
+    args = _hold_args(qwen3_moe_path)
     ranks = [(Scheduler(args), 0.0), (Scheduler(args), 0.015)]
     recorded = [record_batches(scheduler)[1] for scheduler, _ in ranks]
     iterations = [(100.0, [("first", 3)]), (100.001, [("a", 4)]), (100.02, [])]

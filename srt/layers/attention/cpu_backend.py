@@ -63,22 +63,25 @@ class CpuAttnBackend(AttentionBackend):
             return self.sdpa.forward_extend(q, k, v, layer, batch, save_kv_cache)
         if layer.kv_from_cache is not None:
             raise RuntimeError("in-place extend attention reads keys as cached, not expanded")
-        pool = batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = _cache(layer, batch, k, v, save_kv_cache)
         return cpu_kernels.extend_attention(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            batch.req_to_token_pool.req_to_token, meta.extend_seqs, layer.scaling,
+            q, k_cache, v_cache, batch.req_to_token_pool.req_to_token, meta.extend_seqs,
+            layer.scaling,
         )  # fmt: skip
 
     def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
         if not isinstance(batch.attn_metadata, CpuAttnMetadata):
             return self.sdpa.forward_decode(q, k, v, layer, batch, save_kv_cache)
-        pool = batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = _cache(layer, batch, k, v, save_kv_cache)
         return cpu_kernels.decode_attention(
-            q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
-            layer.scaling,
+            q, k_cache, v_cache, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
+            batch.seq_lens, layer.scaling,
         )  # fmt: skip
+
+
+def _cache(layer, batch: ForwardBatch, k, v, save_kv_cache: bool):
+    """The layer's paged K and V caches, this step's keys and values written first."""
+    pool = batch.token_to_kv_pool
+    if save_kv_cache:
+        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+    return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
