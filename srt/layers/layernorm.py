@@ -17,7 +17,8 @@ class RMSNorm(nn.Module):
 
     def prepare_for_cpu(self) -> None:
         """Once loaded, on CPU: run float32 norms in one C call (``cpu_kernels.rms_norm``)."""
-        self.in_kernel = cpu_kernels.supports(self.weight.device, self.weight.dtype)
+        w = self.weight  # the norm kernel takes float32 only
+        self.in_kernel = w.dtype == torch.float32 and cpu_kernels.supports(w.device, w.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

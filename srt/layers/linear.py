@@ -14,35 +14,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.layers import cpu_kernels
+from srt.layers.quantization import fp8
+from srt.layers.quantization.fp8 import FP8_DTYPE
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """Copies a checkpoint tensor into a parameter (or its slice) of the same shape. An fp8
+    tensor goes only into an fp8 parameter and back: converting one into the other would drop
+    or miss its block scales, a wrong answer without an error."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"shape mismatch for {name}: checkpoint {tuple(loaded.shape)}, "
             f"model expects {tuple(param.shape)}"
         )
+    if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
+        expected = "an fp8 weight (quantization_config fp8)" if param.dtype == FP8_DTYPE else (
+            f"{param.dtype} (no fp8 quantization_config covers it)"
+        )  # fmt: skip
+        raise ValueError(f"checkpoint tensor {name} is {loaded.dtype}; srt expects {expected}")
     param.data.copy_(loaded)
 
 
 class PanelWeight(NamedTuple):
-    """A ``[N, K]`` weight in the CPU kernels' panels."""
+    """A ``[N, K]`` weight in the CPU kernels' panels (fp8: with its packed scales and the K
+    group each covers)."""
 
     panels: torch.Tensor
     out_features: int | None = None  # N, where it does not fill the last panel
+    scales: torch.Tensor | None = None
+    group: int = 0
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
-    """The weight ``[N, K]`` laid out for ``linear`` on CPU: in float32, the CPU kernels'
-    panels (``srt.layers.cpu_kernels``: as fast as oneDNN for many rows, faster for the few rows
-    of decode; any N, the last panel padded); else oneDNN's blocked layout (float32 without the
-    kernels, or bf16); None where neither is available. oneDNN on CPU is several times faster
+def pack_weight(
+    weight: torch.Tensor, scale: torch.Tensor | None = None, group: int = 0
+) -> torch.Tensor | PanelWeight | None:
+    """The weight ``[N, K]`` laid out for ``linear`` on CPU: the CPU kernels' panels, for
+    float32, bf16 and fp8 weights (``scale``: its per-row scales with ``group``,
+    ``srt.layers.quantization.fp8``) (``srt.layers.cpu_kernels``: as fast as oneDNN for many
+    rows, faster for the few rows of decode; any N, the last panel padded); without the
+    kernels, oneDNN's blocked layout (float32 or bf16); None where neither is available (fp8
+    without the kernels: ``linear`` dequantizes). oneDNN on CPU is several times faster
     than ``F.linear`` (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a
     poorly blocked one for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also
     gives each row the same result whatever the batch, so split and unsplit batches agree bit
     for bit. Measured in ``docs/benchmarks.md``."""
     if cpu_kernels.can_pack(weight):
-        return PanelWeight(cpu_kernels.pack_panels(weight), weight.shape[0])
+        panels = cpu_kernels.pack_panels(weight)
+        scales = None if scale is None else cpu_kernels.pack_scales(scale)
+        return PanelWeight(panels, weight.shape[0], scales, group)
     if (
         weight.device.type != "cpu"
         or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -68,16 +87,20 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | PanelWeight | None = None,
+    scale: torch.Tensor | None = None,
+    group: int = 0,
 ) -> torch.Tensor:
     """``F.linear``, through the CPU kernels or oneDNN with the ``packed`` weight when there
-    is one."""
-    if isinstance(packed, PanelWeight) and x.dtype == torch.float32:
-        rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.panel_linear(rows, packed.panels, packed.out_features)
+    is one. An fp8 ``weight`` comes with its per-row ``scale`` and ``group``."""
+    if isinstance(packed, PanelWeight):
+        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)  # the kernels' activations
+        out = cpu_kernels.panel_linear(rows, packed.panels, packed.out_features, *packed[2:])
         if bias is not None:
             out += bias
-        return out.view(*x.shape[:-1], out.shape[-1])
-    if packed is None or isinstance(packed, PanelWeight) or x.dtype != packed.dtype:
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+    if weight.dtype == FP8_DTYPE:
+        return fp8_linear(x, weight, scale, group, bias)
+    if packed is None or x.dtype != packed.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
@@ -86,6 +109,18 @@ def linear(
         rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out[:num_rows].view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x`` times an fp8 ``weight`` ``[N, K]`` with per-row ``scale``, without the CPU
+    kernels' panels: the weight dequantized to ``x``'s dtype for the call."""
+    return F.linear(x, fp8.dequantize(weight, scale, group).to(x.dtype), bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -104,19 +139,88 @@ class LinearBase(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | PanelWeight | None = None  # set by prepare_for_cpu
+        # fp8 (``use_fp8``, ``quantize_loaded``): per-row scales, their K group, the blocks.
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.weight_group = 0
+        self.fp8_block: tuple[int, int] | None = None
+        # A layer whose weight its model reads as a matrix (MLA's kv_b_proj, split into its
+        # absorbed parts) keeps it dense: an fp8 checkpoint's is dequantized at load.
+        self.keep_dense = False
 
     def local_sizes(self) -> tuple[int, int]:
         return self.input_size, self.output_size
 
+    def full_rows(self, shard_id=None) -> int:
+        """The rows of the checkpoint tensor that loads as ``shard_id``."""
+        return self.output_size
+
+    @property
+    def input_shard(self) -> int | None:
+        """The width of this rank's share of the input dimension, where it is split."""
+        return None
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         copy_checked(param, loaded, name)
 
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Before loading an fp8 checkpoint: the weight as e4m3 and ``weight_scale_inv`` as
+        per-row scales (``srt.layers.quantization.fp8``), expanded from the checkpoint's blocks
+        of ``block`` when they load."""
+        n, k = self.weight.shape
+        self.fp8_block = block
+        self.weight_group = fp8.group_for(block[1], self.input_shard)
+        q = torch.empty(n, k, dtype=FP8_DTYPE, device=self.weight.device)
+        scale = torch.empty(n, fp8.num_groups(k, self.weight_group), device=q.device)
+        self._set_fp8(q, scale, self.weight.dtype)
+        self.weight_scale_inv.weight_loader = self.scale_loader
+
+    def _set_fp8(self, q: torch.Tensor, scale: torch.Tensor, dense_dtype: torch.dtype) -> None:
+        self.dense_dtype = dense_dtype
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight_scale_inv = nn.Parameter(scale.to(torch.float32), requires_grad=False)
+
+    def scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, *shard) -> None:
+        """A checkpoint's block scales ``[ceil(N / bn), ceil(K / bk)]`` → this rank's rows of the
+        per-row scales, through ``weight_loader`` as the weight's rows go."""
+        rows, (bn, bk) = self.full_rows(*shard), self.fp8_block
+        grid = (-(-rows // bn), -(-self.input_size // bk))
+        if tuple(loaded.shape) != grid:
+            raise ValueError(
+                f"{name} has a scale grid {tuple(loaded.shape)}, expected {grid} "
+                f"for a [{rows}, {self.input_size}] weight in {bn}×{bk} blocks"
+            )
+        per_row = fp8.row_scales(loaded, rows, self.input_size, self.fp8_block, self.weight_group)
+        self.weight_loader(param, per_row, name, *shard)
+
+    def finish_fp8(self) -> None:
+        """Once loaded: a ``keep_dense`` layer's fp8 weight dequantized to the model's dtype."""
+        if self.keep_dense and self.weight_scale_inv is not None:
+            dense = fp8.dequantize(self.weight, self.weight_scale_inv, self.weight_group)
+            self.weight = nn.Parameter(dense.to(self.dense_dtype), requires_grad=False)
+            self.weight_scale_inv = None
+
+    def quantize_loaded(self, block: tuple[int, int]) -> None:
+        """Online fp8 (``--quantization fp8`` on a bf16 or float32 checkpoint): the loaded
+        weight quantized in ``block``'s format, this rank's shard on its own."""
+        if self.keep_dense:
+            return
+        self.fp8_block = block
+        self.weight_group = fp8.group_for(block[1], self.input_shard)
+        q, scale = fp8.quantize_rows(self.weight.data, block, self.weight_group)
+        self._set_fp8(q, scale, self.weight.dtype)
+
     def prepare_for_cpu(self) -> None:
         """Once loaded, on CPU: the weight laid out for ``linear`` (``pack_weight``)."""
-        self.packed_weight = pack_weight(self.weight)
+        self.packed_weight = pack_weight(self.weight, self.weight_scale_inv, self.weight_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(
+            x, self.weight, bias, self.packed_weight, self.weight_scale_inv, self.weight_group
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -159,6 +263,10 @@ class RowParallelLinear(LinearBase):
     def local_sizes(self) -> tuple[int, int]:
         return _divide(self.input_size, self.tp_size, "input size"), self.output_size
 
+    @property
+    def input_shard(self) -> int | None:
+        return self.input_size // self.tp_size if self.tp_size > 1 else None
+
     def weight_loader(self, param, loaded, name=""):
         if (
             param.dim() == 2
@@ -170,8 +278,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias is added once (rank 0) so a sum over ranks adds it exactly once.
-        bias = self.bias if self.tp_rank == 0 else None
-        return linear(x, self.weight, bias, self.packed_weight)
+        return self._linear(x, self.bias if self.tp_rank == 0 else None)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -183,6 +290,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size, output_sizes: list[int], bias=False, tp_rank=0, tp_size=1):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def full_rows(self, shard_id: int | None = None) -> int:
+        return self.output_size if shard_id is None else self.output_sizes[shard_id]
 
     def weight_loader(self, param, loaded, name="", shard_id: int | None = None):
         if shard_id is None:  # a fused checkpoint tensor: split it into its parts
@@ -218,6 +328,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output, bias, tp_rank, tp_size)
+
+    def full_rows(self, shard_id: str | None = None) -> int:
+        heads = self.total_heads
+        return (heads[shard_id] if shard_id else sum(heads.values())) * self.head_dim
 
     def weight_loader(self, param, loaded, name="", shard_id: str | None = None):
         if shard_id is None:  # a fused checkpoint tensor: split it into q, k, v

@@ -1,6 +1,7 @@
-"""CPU kernels in C for float32, each a checked torch op (``srt::…``): a linear layer over
-weights packed in panels (``panel_linear``), the routed experts of a MoE layer in one call
-(``fused_experts``) and RMSNorm with its residual add (``rms_norm``), in ``csrc/cpu_kernels.c``;
+"""CPU kernels in C, each a checked torch op (``srt::…``): a linear layer over weights packed in
+panels (``panel_linear``) and the routed experts of a MoE layer in one call (``fused_experts``),
+float32 activations over float32, bfloat16 or block-FP8 weights; RMSNorm with its residual add
+(``rms_norm``), in ``csrc/cpu_kernels.c``;
 decode attention over the paged KV cache (``decode_attention``) and rotary embedding
 (``rope``), in ``csrc/cpu_attention.c``; causal extend attention over the same cache
 (``extend_attention``), in ``csrc/cpu_extend_attention.c``.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from srt.layers.cpu_kernels.build import load_library
-from srt.layers.cpu_kernels.checks import PositionOutsideTable
+from srt.layers.cpu_kernels.checks import WEIGHT_TYPES, PositionOutsideTable
 from srt.layers.cpu_kernels.ops import (
     decode_attention,
     extend_attention,
@@ -34,6 +35,7 @@ __all__ = [
     "extend_attention",
     "fused_experts",
     "pack_panels",
+    "pack_scales",
     "panel_linear",
     "panel_width",
     "rms_norm",
@@ -48,10 +50,11 @@ def available() -> bool:
 
 
 def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernels run on weights of ``dtype`` on ``device``: float32 on CPU, with the
-    kernels available. Dense layers (``can_pack``) and the experts
-    (``srt.layers.moe.expert_kernel``) ask this one question."""
-    return device.type == "cpu" and dtype == torch.float32 and available()
+    """Whether the GEMM kernels run on weights of ``dtype`` on ``device``: float32, bfloat16 or
+    float8_e4m3fn (with scales) on CPU, with the kernels available. Dense layers
+    (``can_pack``) and the experts (``srt.layers.moe.expert_kernel``) ask this one question.
+    The other kernels (norm, rope, attention) take float32 only."""
+    return device.type == "cpu" and dtype in WEIGHT_TYPES and available()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -70,3 +73,20 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     if padded != n:
         weight = torch.cat((weight, weight.new_zeros(*lead, padded - n, k)), dim=-2)
     return weight.reshape(*lead, padded // p, p, k).transpose(-1, -2).contiguous()
+
+
+# The fp8 kernels read an e4m3 byte as a float32 of its value · 2^-120 and multiply by the
+# scale · 2^120 (csrc/cpu_kernels.c, load_w): scales must stay below 2^8 for that to be finite.
+_FP8_SCALE_SHIFT = 2.0**120
+FP8_MAX_SCALE = 2.0**8
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Per-row fp8 scales ``[..., N, G]`` (``srt.layers.quantization.fp8``) → the kernels'
+    ``[..., ceil(N / P), G, P]``, each times 2^120 (rows past N zero). Raises ValueError for a
+    scale the kernels cannot represent (≥ 2^8: a weight block above 114,688)."""
+    top = scale.abs().max().item() if scale.numel() else 0.0
+    if not top < FP8_MAX_SCALE:
+        raise ValueError(f"an fp8 weight scale of {top} is outside the CPU kernels' range "
+                         f"[0, {FP8_MAX_SCALE})")  # fmt: skip
+    return pack_panels(scale.to(torch.float32) * _FP8_SCALE_SHIFT)

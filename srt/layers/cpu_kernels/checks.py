@@ -36,13 +36,44 @@ def _equal(op: str, name: str, what: str, value: int, expected: int) -> None:
         _fail(op, name, f"has {what} {value}, expected {expected}")
 
 
-def check_panel_linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, panel_width: int
+# The weight dtypes the GEMM kernels read, with the code the C functions take for each.
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
+def _check_weight(
+    op: str, name: str, panels: torch.Tensor, dims: int, scales: torch.Tensor | None, group: int
 ) -> None:
-    """x [n, K] contiguous; panels [ceil(N / P), K, P] contiguous; 0 < N ≤ panels · P."""
+    """panels [..., K, P] of a WEIGHT_TYPES dtype, contiguous; fp8 panels come with scales
+    [..., ceil(K / group), P] float32 (group ≥ 1), the other dtypes without."""
+    if panels.dtype not in WEIGHT_TYPES:
+        _fail(op, name, f"has dtype {panels.dtype}; the kernels read {list(WEIGHT_TYPES)}")
+    _tensor(op, name, panels, panels.dtype, dims)
+    if panels.dtype != torch.float8_e4m3fn:
+        if scales is not None:
+            _fail(op, f"{name}'s scales", f"are given for {panels.dtype} panels")
+        return
+    if scales is None or group < 1:
+        _fail(op, f"{name}'s scales", "and a group ≥ 1 are required for fp8 panels")
+    _tensor(op, f"{name}'s scales", scales, torch.float32, dims)
+    *lead, k_dim, width = panels.shape
+    expected = (*lead, -(-k_dim // group), width)
+    if tuple(scales.shape) != expected:
+        _fail(op, f"{name}'s scales", f"{tuple(scales.shape)} are not {expected} (group {group})")
+
+
+def check_panel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    panel_width: int,
+    scales: torch.Tensor | None = None,
+    group: int = 0,
+) -> None:
+    """x [n, K] float32 contiguous; panels [ceil(N / P), K, P] (with scales for fp8, see
+    ``_check_weight``); 0 < N ≤ panels · P."""
     op = "panel_linear"
     _tensor(op, "x", x, torch.float32, 2)
-    _tensor(op, "panels", panels, torch.float32, 3)
+    _check_weight(op, "panels", panels, 3, scales, group)
     num_panels, k_dim, width = panels.shape
     _equal(op, "panels", "panel width", width, panel_width)
     _equal(op, "x", "columns", x.shape[1], k_dim)
@@ -58,15 +89,20 @@ def check_fused_experts(
     w13_panels: torch.Tensor,
     w2_panels: torch.Tensor,
     panel_width: int,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    groups: tuple[int, int] = (0, 0),
 ) -> None:
-    """x [T, H]; topk_weights (float32), topk_ids (int64) [T, topk]; w13_panels
-    [E, 2I / P, H, P]; w2_panels [E, H / P, I, P]; all contiguous; start ≥ 0."""
+    """x [T, H] float32; topk_weights (float32), topk_ids (int64) [T, topk]; w13_panels
+    [E, 2I / P, H, P]; w2_panels [E, H / P, I, P], of one dtype (fp8 with their scales, see
+    ``_check_weight``); all contiguous; start ≥ 0."""
     op = "fused_experts"
     _tensor(op, "x", x, torch.float32, 2)
     _tensor(op, "topk_weights", topk_weights, torch.float32, 2)
     _tensor(op, "topk_ids", topk_ids, torch.int64, 2)
-    _tensor(op, "w13_panels", w13_panels, torch.float32, 4)
-    _tensor(op, "w2_panels", w2_panels, torch.float32, 4)
+    _check_weight(op, "w13_panels", w13_panels, 4, scales[0], groups[0])
+    _check_weight(op, "w2_panels", w2_panels, 4, scales[1], groups[1])
+    if w13_panels.dtype != w2_panels.dtype:
+        _fail(op, "w2_panels", f"are {w2_panels.dtype}, w13_panels {w13_panels.dtype}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         _fail(op, "topk_ids", f"{tuple(topk_ids.shape)}, topk_weights "
               f"{tuple(topk_weights.shape)} and x {tuple(x.shape)} disagree")  # fmt: skip

@@ -58,17 +58,28 @@ def _op(name: str, impl: Callable, fake: Callable):
 # --- panel_linear: x [n, K] · Wᵀ from W's panels -------------------------------------------
 
 
-def _panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    checks.check_panel_linear(x, panels, out_features, panel_width())
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _panel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    scales: torch.Tensor | None = None,
+    group: int = 0,
+) -> torch.Tensor:
+    checks.check_panel_linear(x, panels, out_features, panel_width(), scales, group)
     out = x.new_empty(x.shape[0], out_features)
-    _lib().srt_panel_linear_f32(
-        x.data_ptr(), x.shape[0], panels.shape[1], panels.data_ptr(), out_features, out.data_ptr()
-    )
+    _lib().srt_panel_linear(
+        x.data_ptr(), x.shape[0], panels.shape[1], checks.WEIGHT_TYPES[panels.dtype],
+        panels.data_ptr(), _ptr(scales), group, out_features, out.data_ptr(),
+    )  # fmt: skip
     return out
 
 
-def _panel_linear_fake(x, panels, out_features):
-    checks.check_panel_linear(x, panels, out_features, panels.shape[2])
+def _panel_linear_fake(x, panels, out_features, scales=None, group=0):
+    checks.check_panel_linear(x, panels, out_features, panels.shape[2], scales, group)
     return x.new_empty(x.shape[0], out_features)
 
 
@@ -76,11 +87,18 @@ _panel_linear_op = _op("panel_linear", _panel_linear, _panel_linear_fake)
 
 
 def panel_linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int | None = None,
+    scales: torch.Tensor | None = None,
+    group: int = 0,
 ) -> torch.Tensor:
-    """``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels
-    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]``."""
+    """float32 ``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels
+    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]``
+    float32. Panels are float32, bfloat16 or float8_e4m3fn; fp8 panels come with their
+    ``scales`` (``pack_scales``) and the K ``group`` each scale covers."""
     args = (x.contiguous(), panels, out_features or panels.shape[0] * panels.shape[2])
+    args = (*args, scales, group)
     return _panel_linear_op(*args) if _observed() else _panel_linear(*args)
 
 
@@ -101,25 +119,35 @@ def _fused_experts(
     start: int,
     w13_panels: torch.Tensor,
     w2_panels: torch.Tensor,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
+    group13: int = 0,
+    group2: int = 0,
 ) -> torch.Tensor:
     checks.check_fused_experts(
-        x, topk_weights, topk_ids, start, w13_panels, w2_panels, panel_width()
-    )
+        x, topk_weights, topk_ids, start, w13_panels, w2_panels, panel_width(),
+        (w13_scales, w2_scales), (group13, group2),
+    )  # fmt: skip
     out = torch.empty_like(x)
     num_experts, _, inter, _ = w2_panels.shape
     work = _work_buffer(topk_ids.numel() * (x.shape[1] + inter))
-    status = _lib().srt_fused_experts_f32(
+    status = _lib().srt_fused_experts(
         x.data_ptr(), x.shape[0], x.shape[1], topk_ids.data_ptr(), topk_weights.data_ptr(),
-        topk_ids.shape[1], start, num_experts, inter, w13_panels.data_ptr(),
-        w2_panels.data_ptr(), out.data_ptr(), work.data_ptr(),
+        topk_ids.shape[1], start, num_experts, inter, checks.WEIGHT_TYPES[w13_panels.dtype],
+        w13_panels.data_ptr(), _ptr(w13_scales), group13, w2_panels.data_ptr(),
+        _ptr(w2_scales), group2, out.data_ptr(), work.data_ptr(),
     )  # fmt: skip
     _status("fused_experts", status)
     return out
 
 
-def _fused_experts_fake(x, topk_weights, topk_ids, start, w13_panels, w2_panels):
+def _fused_experts_fake(
+    x, topk_weights, topk_ids, start, w13_panels, w2_panels, s13=None, s2=None, g13=0, g2=0
+):
     width = w2_panels.shape[3]
-    checks.check_fused_experts(x, topk_weights, topk_ids, start, w13_panels, w2_panels, width)
+    checks.check_fused_experts(
+        x, topk_weights, topk_ids, start, w13_panels, w2_panels, width, (s13, s2), (g13, g2)
+    )
     return torch.empty_like(x)
 
 
@@ -133,9 +161,12 @@ def fused_experts(
     start: int,
     w13_panels: torch.Tensor,
     w2_panels: torch.Tensor,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    groups: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]``;
-    ids outside that range (other ranks' experts, or -1) add nothing."""
+    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]``
+    float32; ids outside that range (other ranks' experts, or -1) add nothing. fp8 panels come
+    with the ``scales`` of w13 and w2 (``pack_scales``) and the K ``groups`` they cover."""
     args = (
         hidden_states.contiguous(),
         topk_weights.to(torch.float32).contiguous(),
@@ -143,6 +174,8 @@ def fused_experts(
         start,
         w13_panels,
         w2_panels,
+        *scales,
+        *groups,
     )
     return _fused_experts_op(*args) if _observed() else _fused_experts(*args)
 

@@ -175,8 +175,8 @@ class _CpuKernelCompute(ExpertCompute):
     """``CPU_KERNEL`` (see the module docstring): each block runs whole, on host tensors."""
 
     def _run(self, hidden, weights, ids) -> torch.Tensor:
-        moe = self.moe
-        return cpu_kernels.fused_experts(hidden, weights, ids, moe.start, *moe.panels)
+        moe, x = self.moe, hidden.to(torch.float32)  # the kernel's activations
+        return cpu_kernels.fused_experts(x, weights, ids, moe.start, *moe.panels).to(hidden.dtype)
 
     def output(self) -> torch.Tensor:
         return self._run(self.hidden, self.topk_weights, self.topk_ids)

@@ -56,7 +56,8 @@ def choose_expert_kernel(
     ``in_panels``: whether the weights are (or, asked before packing, may be) laid out in the
     C kernel's panels; weights left in torch's layout never take the C kernel.
 
-    CPU: the C kernel in float32 where its panels fit; else torch's grouped GEMM, for row
+    CPU: the C kernel (float32, bf16 or fp8 weights) where its panels fit; else torch's
+    grouped GEMM (not for fp8, whose scales it cannot apply), for row
     strides that are multiples of 16 bytes and experts small enough that per-op overhead, not
     memory, bounds them; large experts see a few tokens each in decode, and the loop gives
     those oneDNN's kernel on packed weights (``srt.layers.linear.pack_weight``), which streams
@@ -74,6 +75,6 @@ def choose_expert_kernel(
     if in_panels and _fits_cpu_kernel(device, dtype, hidden_size, intermediate_size):
         return ExpertKernel.CPU_KERNEL
     small = 2 * intermediate_size * hidden_size * dtype.itemsize < GROUPED_MAX_EXPERT_BYTES
-    if hasattr(torch, "_grouped_mm") and aligned and small:
+    if hasattr(torch, "_grouped_mm") and aligned and small and dtype != torch.float8_e4m3fn:
         return ExpertKernel.GROUPED_MM
     return ExpertKernel.LOOP

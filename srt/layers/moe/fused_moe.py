@@ -3,15 +3,27 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from srt.layers import cpu_kernels
-from srt.layers.linear import PanelWeight, copy_checked, linear, pack_weight
+from srt.layers.linear import copy_checked, linear, pack_weight
 from srt.layers.moe.blocked_experts import BlockedProjection
 from srt.layers.moe.expert_compute import compute_experts
 from srt.layers.moe.expert_kernel import ExpertKernel, choose_expert_kernel
 from srt.layers.overlap.single_batch_overlap import DownGemmOverlapArgs, RowSumOverlapArgs
+from srt.layers.quantization import fp8
+
+
+class ExpertPanels(NamedTuple):
+    """w13 and w2 in the C kernel's panels, with fp8's packed scales and K groups."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    scales: tuple[torch.Tensor | None, torch.Tensor | None]
+    groups: tuple[int, int]
 
 
 class FusedMoE(nn.Module):
@@ -50,9 +62,14 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
+        # fp8 (``use_fp8``, ``quantize_loaded``): per-row scales of w13 and w2, their K groups.
+        self.w13_weight_scale_inv: nn.Parameter | None = None
+        self.w2_weight_scale_inv: nn.Parameter | None = None
+        self.groups = (0, 0)
+        self.fp8_block: tuple[int, int] | None = None
         # Set by prepare_for_cpu, once loaded: w13 and w2 in the C kernel's panels (``cpu_kernels``)
-        # or, for the loop, per local expert in oneDNN's layout.
-        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
+        # or, for the loop, per local expert in the panels or oneDNN's layout.
+        self.panels: ExpertPanels | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.packed_kernel: ExpertKernel | None = None
 
@@ -71,42 +88,96 @@ class FusedMoE(nn.Module):
             w.device, w.dtype, w.shape[-1], self.intermediate_size, in_panels
         )
 
+    @property
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.w13_weight_scale_inv, self.w2_weight_scale_inv
+
     def prepare_for_cpu(self) -> None:
         """Once loaded, on CPU: the weights in the layout their kernel reads, the C kernel's
-        panels or, for the loop, oneDNN's per expert (``pack_weight``)."""
+        panels or, for the loop, per expert (``pack_weight``)."""
         self.packed_kernel = self._choose_kernel(in_panels=True)
+        weights = (self.w13_weight, self.w2_weight)
         if self.packed_kernel is ExpertKernel.CPU_KERNEL:
-            self.panels = tuple(
-                cpu_kernels.pack_panels(w) for w in (self.w13_weight, self.w2_weight)
-            )
+            scales = tuple(None if s is None else cpu_kernels.pack_scales(s) for s in self.scales)
+            self.panels = ExpertPanels(*map(cpu_kernels.pack_panels, weights), scales, self.groups)
         elif self.packed_kernel is ExpertKernel.LOOP:
             packed = [
-                (pack_weight(w13), pack_weight(w2))
-                for w13, w2 in zip(self.w13_weight, self.w2_weight)
+                tuple(pack_weight(w[e], *self._scale_of(i, e)) for i, w in enumerate(weights))
+                for e in range(self.num_local_experts)
             ]
             self.packed = packed if packed and packed[0][0] is not None else None
+
+    def _scale_of(self, which: int, e: int) -> tuple[torch.Tensor | None, int]:
+        scale = self.scales[which]
+        return (None, 0) if scale is None else (scale[e], self.groups[which])
 
     def expert_linear(self, x: torch.Tensor, e: int, which: int) -> torch.Tensor:
         """x times expert ``e``'s w13 (``which`` 0) or w2 (1), transposed."""
         weight = (self.w13_weight, self.w2_weight)[which][e]
-        if self.panels is not None:
-            return linear(x, weight, packed=PanelWeight(self.panels[which][e]))
-        return linear(x, weight, packed=None if self.packed is None else self.packed[e][which])
+        packed = None if self.packed is None else self.packed[e][which]
+        return linear(x, weight, None, packed, *self._scale_of(which, e))
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str, expert_id: int
     ) -> None:
+        """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection, or its per-row
+        scales: this rank's slice of it, sized by the parameter's shape."""
         local = expert_id - self.start
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
-        i = self.intermediate_size
-        dim = 1 if shard_id == "w2" else 0  # w1/w3 [I, H], w2 [H, I]
+        dim = 1 if shard_id == "w2" else 0  # w1/w3 [I, H], w2 [H, I] (scales: [., K / G])
+        i = param.shape[2] if shard_id == "w2" else param.shape[1] // 2
         if self.tp_size > 1 and loaded.shape[dim] == i * self.tp_size:
             loaded = loaded.narrow(dim, self.tp_rank * i, i)
         dst = {"w1": lambda p: p[:i], "w3": lambda p: p[i:], "w2": lambda p: p}[shard_id](
             param.data[local]
         )
         copy_checked(dst, loaded, name)
+
+    # ------------------------------------------------------------------------------ fp8
+    def _groups(self, block_k: int) -> tuple[int, int]:
+        # w13's K (hidden) is never split; w2's (intermediate) is under expert TP.
+        inter_shard = self.intermediate_size if self.tp_size > 1 else None
+        return fp8.group_for(block_k), fp8.group_for(block_k, inter_shard)
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Before loading an fp8 checkpoint: the experts' weights as e4m3 with per-row scales
+        (``srt.layers.quantization.fp8``), expanded from the checkpoint's blocks as they load."""
+        self.fp8_block, self.groups = block, self._groups(block[1])
+        for name, group in zip(("w13_weight", "w2_weight"), self.groups):
+            w = getattr(self, name)
+            q = torch.empty(w.shape, dtype=fp8.FP8_DTYPE, device=w.device)
+            scale = torch.empty(*w.shape[:2], fp8.num_groups(w.shape[2], group), device=w.device)
+            self._set_fp8(name, q, scale)
+            getattr(self, f"{name}_scale_inv").weight_loader = self.scale_loader
+
+    def _set_fp8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        setattr(self, name, nn.Parameter(q, requires_grad=False))
+        getattr(self, name).weight_loader = self.weight_loader
+        setattr(self, f"{name}_scale_inv", nn.Parameter(scale.float(), requires_grad=False))
+
+    def scale_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str, expert_id: int
+    ) -> None:
+        """One expert's block scales → its per-row scales, loaded as the weight's rows go."""
+        hidden, inter = self.w2_weight.shape[1], self.intermediate_size * self.tp_size
+        rows, cols = (hidden, inter) if shard_id == "w2" else (inter, hidden)
+        (bn, bk), group = self.fp8_block, self.groups[shard_id == "w2"]
+        grid = (-(-rows // bn), -(-cols // bk))
+        if tuple(loaded.shape) != grid:
+            raise ValueError(
+                f"{name} has a scale grid {tuple(loaded.shape)}, expected {grid} "
+                f"for a [{rows}, {cols}] weight in {bn}×{bk} blocks"
+            )
+        per_row = fp8.row_scales(loaded, rows, cols, self.fp8_block, group)
+        self.weight_loader(param, per_row, name, shard_id, expert_id)
+
+    def quantize_loaded(self, block: tuple[int, int]) -> None:
+        """Online fp8 (``--quantization fp8``): the loaded experts quantized in ``block``'s
+        format, this rank's shard on its own."""
+        self.fp8_block, self.groups = block, self._groups(block[1])
+        for name, group in zip(("w13_weight", "w2_weight"), self.groups):
+            self._set_fp8(name, *fp8.quantize_rows(getattr(self, name).data, block, group))
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -26,7 +26,10 @@ TRITON = "triton" if importlib.util.find_spec("triton") else "loop"
         (CPU, torch.float32, 128, 128, True, "cpu_kernel" if FITS else "grouped_mm"),
         (CPU, torch.float32, 128, 128, False, "grouped_mm"),  # torch's layout
         (CPU, torch.float32, 128, 48, True, "grouped_mm"),  # the gate splits a panel
-        (CPU, torch.bfloat16, 128, 128, True, "grouped_mm"),
+        (CPU, torch.bfloat16, 128, 128, True, "cpu_kernel" if FITS else "grouped_mm"),
+        (CPU, torch.bfloat16, 128, 48, True, "grouped_mm"),
+        (CPU, torch.float8_e4m3fn, 128, 128, True, "cpu_kernel" if FITS else "loop"),
+        (CPU, torch.float8_e4m3fn, 128, 48, True, "loop"),  # no grouped GEMM with scales
         (CPU, torch.float32, 12, 6, True, "loop"),  # rows not in 16-byte units
         (CPU, torch.float32, 512, 512, False, "loop"),  # 2 MiB of gate/up: the loop streams it
         (CUDA, torch.float32, 128, 128, True, TRITON),  # grouped_mm: bf16 only

@@ -1,7 +1,12 @@
-/* float32 GEMMs for CPU over weights packed in panels of PANEL output columns laid out
- * [K][PANEL] (``pack_panels`` in ops.py), run by the threads of the OpenMP runtime
- * torch itself uses: a linear layer (srt_panel_linear_f32) and the routed experts of one MoE
- * layer in one call (srt_fused_experts_f32); and RMSNorm in one pass (srt_rms_norm_f32).
+/* GEMMs for CPU over weights packed in panels of PANEL output columns laid out [K][PANEL]
+ * (``pack_panels`` in ops.py), run by the threads of the OpenMP runtime torch itself uses: a
+ * linear layer (srt_panel_linear) and the routed experts of one MoE layer in one call
+ * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm_f32).
+ *
+ * Activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3 with a
+ * float32 scale per row and group of K rows of a panel, ``srt.layers.quantization.fp8``); a
+ * bf16 or fp8 weight is turned into float32 in registers as it is read (load_w), so the
+ * product is the float32 GEMM over the dequantized weight, at a half or a quarter of the bytes.
  *
  * Decode gives a linear layer one row per sequence and each expert a few rows, so both are
  * bound by reading the weights: a panel is streamed once for all rows. The experts' call
@@ -35,6 +40,82 @@ int srt_kernel_is_fast(void) {
 #endif
 }
 
+/* The weight formats (WEIGHT_TYPES in ops.py). */
+enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
+
+typedef uint32_t uvec __attribute__((vector_size(VEC * sizeof(uint32_t))));
+typedef uint16_t bf16vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
+typedef int8_t fp8vec __attribute__((vector_size(VEC)));
+typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
+
+/* VEC weights from element `idx` of a panel of `type`, as float32. bf16 is float32's upper half.
+ * An e4m3 byte's exponent and mantissa shifted into float32's fields make a float32 whose value
+ * is the e4m3 value · 2^-120 (subnormals included: they become float32 subnormals, exact);
+ * `s` is the group's scale premultiplied by 2^120 (``pack_scales``), so one rounded product
+ * gives float(q) · scale, as dequantizing the weight first would. */
+static inline uvec widen_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (uvec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (uvec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    bf16vec h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, uvec);
+#endif
+}
+
+/* Bytes sign-extended to 32 bits: the sign lands in bit 31 once shifted left by 20. */
+static inline uvec widen_fp8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (uvec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (uvec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    fp8vec b;
+    memcpy(&b, p, sizeof b);
+    return (uvec)__builtin_convertvector(b, ivec);
+#endif
+}
+
+static inline __attribute__((always_inline)) vec load_w(int type, const void *w, int64_t idx,
+                                                        vec s) {
+    vec f;
+    if (type == W_F32) return load_vec((const float *)w + idx);
+    if (type == W_BF16) {
+        uvec bits = widen_bf16((const uint16_t *)w + idx) << 16;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    uvec bits = (widen_fp8((const int8_t *)w + idx) << 20) & 0x87f00000u; /* sign, exp, man */
+    memcpy(&f, &bits, sizeof f);
+    return f * s;
+}
+
+/* A packed weight: panels [ceil(N/PANEL)][K][PANEL] of `type`; for fp8, `scale` holds per panel
+ * ceil(K/group) rows of PANEL scales. For the other types `group` is K (one group). */
+struct weights {
+    const void *w;
+    const float *scale;
+    int64_t k_dim, group;
+    int type;
+};
+
+/* Panel b of a packed weight. */
+struct panel {
+    const void *w;
+    const float *scale;
+    int64_t group;
+};
+
+static inline struct panel panel_at(const struct weights *W, int64_t b) {
+    static const int64_t size[] = {4, 2, 1};
+    int64_t groups = (W->k_dim + W->group - 1) / W->group;
+    struct panel p = {(const char *)W->w + b * W->k_dim * PANEL * size[W->type],
+                      W->scale ? W->scale + b * groups * PANEL : NULL, W->group};
+    return p;
+}
+
 /* Where a GEMM's input rows lie: row i at base + (order ? order[i] / div : i) · ld (the experts'
  * first GEMM reads each token's row of x in place for every slot routed to it). */
 struct rows {
@@ -48,110 +129,99 @@ static inline const float *row_at(const struct rows *x, int64_t i) {
     return x->base + (x->order ? x->order[i] / x->div : i) * x->ld;
 }
 
-/* y[i, 0:PANEL] = Σ_k x_i[k] · panel[k, 0:PANEL] for rows x_i = row_at(x, r + i), i < m ≤ ROWS:
- * the accumulators stay in registers when m is a constant (the inlined full block). `hold`
- * keeps the panel's row in registers too (full blocks, compute-bound): FMAs that each load it
- * again are load-bound. Partial blocks (decode: a few rows per expert) stream the panel from
- * memory, and there the FMAs' own loads are faster. Either way every element is the same sum
- * in the same order. */
-static inline __attribute__((always_inline)) void block_gemm(const struct rows *x, int64_t r,
-                                                             int64_t m, const float *panel,
-                                                             int64_t k_dim, float *y, int64_t ldy,
-                                                             int hold) {
-    const float *in[ROWS];
-    for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
-    vec acc[ROWS][4];
-    memset(acc, 0, sizeof acc);
-    for (int64_t k = 0; k < k_dim; k++) {
-        const float *w = panel + k * PANEL;
-        vec w0 = load_vec(w), w1 = load_vec(w + VEC), w2 = load_vec(w + 2 * VEC),
-            w3 = load_vec(w + 3 * VEC);
-#if defined(__AVX__) /* x86, one register per vector */
-        if (hold) __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
-#endif
-        for (int64_t i = 0; i < m; i++) {
-            float s = in[i][k];
-            acc[i][0] = fma_vec(acc[i][0], s, w0);
-            acc[i][1] = fma_vec(acc[i][1], s, w1);
-            acc[i][2] = fma_vec(acc[i][2], s, w2);
-            acc[i][3] = fma_vec(acc[i][3], s, w3);
-        }
+/* The scales of the first nv vectors of a panel's group g (ones but for fp8). */
+static inline __attribute__((always_inline)) void group_scales(int type, struct panel p,
+                                                               int64_t g, int nv, vec *s) {
+    for (int q = 0; q < nv; q++) {
+        vec one = {0};
+        s[q] = type == W_FP8 ? load_vec(p.scale + g * PANEL + q * VEC) : one + 1.0f;
     }
-    for (int64_t i = 0; i < m; i++)
-        for (int q = 0; q < 4; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);
 }
 
-/* y[r, 0:PANEL] for rows r < n of x, in blocks of ROWS rows; y rows ldy apart. */
-static void panel_gemm(const struct rows *x, int64_t n, const float *panel, int64_t k_dim,
-                       float *y, int64_t ldy) {
-    int64_t r = 0;
-    for (; r + ROWS <= n; r += ROWS) block_gemm(x, r, ROWS, panel, k_dim, y + r * ldy, ldy, 1);
-    if (r < n) block_gemm(x, r, n - r, panel, k_dim, y + r * ldy, ldy, 0);
-}
-
-/* block_gemm for the first nv < 4 vectors of a narrow last panel (each element the same sum in
- * the same order as there). Kept apart: block_gemm written for any nv ran the full panels'
- * GEMMs 2-5 % slower (2048 rows × 384 → 2304 / 512 → 3072 / 1024 → 1536). */
-static inline __attribute__((always_inline)) void narrow_block_gemm(
-    const struct rows *x, int64_t r, int64_t m, const float *panel, int64_t k_dim, float *y,
-    int64_t ldy, int hold, int nv) {
-    const float *in[ROWS];
+/* y[i, 0:nv·VEC] = Σ_k x_i[k] · panel[k, 0:nv·VEC] for rows x_i = row_at(x, r + i), i < m ≤
+ * ROWS, nv ≤ 4 vectors of the panel: the accumulators stay in registers when m, nv and type are
+ * constants (the inlined copies). `hold` keeps the panel's row in registers too (full blocks,
+ * compute-bound): FMAs that each load it again are load-bound. Partial blocks (decode: a few
+ * rows per expert) stream the panel from memory, and there the FMAs' own loads are faster.
+ * Either way every element is the same sum in the same order. */
+static inline __attribute__((always_inline)) void block_gemm(const struct rows *x, int64_t r,
+                                                             int64_t m, struct panel p,
+                                                             int64_t k_dim, float *y, int64_t ldy,
+                                                             int hold, int nv, int type) {
+    const float *in[ROWS] = {0};
     for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
-    vec acc[ROWS][3];
+    vec acc[ROWS][4], s[4];
     memset(acc, 0, sizeof acc);
-    for (int64_t k = 0; k < k_dim; k++) {
-        const float *w = panel + k * PANEL;
-        vec wq[3];
-        for (int q = 0; q < nv; q++) {
-            wq[q] = load_vec(w + q * VEC);
-#if defined(__AVX__)
-            if (hold) __asm__("" : "+v"(wq[q]));
+    for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += p.group, g++) {
+        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
+        group_scales(type, p, g, nv, s);
+        for (int64_t k = k0; k < k1; k++) {
+            vec w[4];
+            for (int q = 0; q < nv; q++) {
+                w[q] = load_w(type, p.w, k * PANEL + q * VEC, s[q]);
+#if defined(__AVX__) /* x86, one register per vector */
+                if (hold) __asm__("" : "+v"(w[q]));
 #endif
-        }
-        for (int64_t i = 0; i < m; i++) {
-            float s = in[i][k];
-            for (int q = 0; q < nv; q++) acc[i][q] = fma_vec(acc[i][q], s, wq[q]);
+            }
+            for (int64_t i = 0; i < m; i++) {
+                float xi = in[i][k];
+                for (int q = 0; q < nv; q++) acc[i][q] = fma_vec(acc[i][q], xi, w[q]);
+            }
         }
     }
     for (int64_t i = 0; i < m; i++)
         for (int q = 0; q < nv; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);
 }
 
-static inline __attribute__((always_inline)) void narrow_rows(const struct rows *x, int64_t n,
-                                                              const float *panel, int64_t k_dim,
-                                                              float *y, int64_t ldy, int nv) {
+/* y[r, 0:nv·VEC] for rows r < n of x, in blocks of ROWS rows; y rows ldy apart. */
+static inline __attribute__((always_inline)) void panel_rows(const struct rows *x, int64_t n,
+                                                             struct panel p, int64_t k_dim,
+                                                             float *y, int64_t ldy, int nv,
+                                                             int type) {
     int64_t r = 0;
     for (; r + ROWS <= n; r += ROWS)
-        narrow_block_gemm(x, r, ROWS, panel, k_dim, y + r * ldy, ldy, 1, nv);
-    if (r < n) narrow_block_gemm(x, r, n - r, panel, k_dim, y + r * ldy, ldy, 0, nv);
+        block_gemm(x, r, ROWS, p, k_dim, y + r * ldy, ldy, 1, nv, type);
+    if (r < n) block_gemm(x, r, n - r, p, k_dim, y + r * ldy, ldy, 0, nv, type);
 }
 
-/* y[r, 0:nv·VEC] of a last panel for rows r < n: all four vectors through panel_gemm, fewer
- * through a code path of their own for each width. */
-static void narrow_panel_gemm(const struct rows *x, int64_t n, const float *panel, int64_t k_dim,
-                              float *y, int64_t ldy, int nv) {
-    switch (nv) {
-    case 1: narrow_rows(x, n, panel, k_dim, y, ldy, 1); break;
-    case 2: narrow_rows(x, n, panel, k_dim, y, ldy, 2); break;
-    case 3: narrow_rows(x, n, panel, k_dim, y, ldy, 3); break;
-    default: panel_gemm(x, n, panel, k_dim, y, ldy); break;
+/* One copy of the GEMMs per weight type and panel width, chosen at run time: the type and the
+ * number of vectors must be constants inside for the blocks to stay in registers. */
+#define PANEL_GEMM(type)                                                                        \
+    static void panel_gemm_##type(const struct rows *x, int64_t n, struct panel p,            \
+                                  int64_t k_dim, float *y, int64_t ldy, int nv) {             \
+        switch (nv) {                                                                           \
+        case 1: panel_rows(x, n, p, k_dim, y, ldy, 1, type); break;                             \
+        case 2: panel_rows(x, n, p, k_dim, y, ldy, 2, type); break;                             \
+        case 3: panel_rows(x, n, p, k_dim, y, ldy, 3, type); break;                             \
+        default: panel_rows(x, n, p, k_dim, y, ldy, 4, type); break;                            \
+        }                                                                                       \
     }
+PANEL_GEMM(W_F32)
+PANEL_GEMM(W_BF16)
+PANEL_GEMM(W_FP8)
+
+/* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (nv = 4: the whole
+ * panel; fewer: a narrow last panel, whose vectors past nv are not computed). */
+static void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
+                       int64_t ldy, int nv, int type) {
+    if (type == W_BF16) panel_gemm_W_BF16(x, n, p, k_dim, y, ldy, nv);
+    else if (type == W_FP8) panel_gemm_W_FP8(x, n, p, k_dim, y, ldy, nv);
+    else panel_gemm_W_F32(x, n, p, k_dim, y, ldy, nv);
 }
 
 /* act[r, 0:PANEL] = silu(gate) · up for rows r < n of x, gate and up the products with two
  * panels, block by block of ROWS rows (neither is written out whole). */
-static void act_gemm(const struct rows *x, int64_t n, const float *gate_panel,
-                     const float *up_panel, int64_t k_dim, float *act, int64_t ld_act) {
+static void act_gemm(const struct rows *x, int64_t n, struct panel gate_panel,
+                     struct panel up_panel, int64_t k_dim, float *act, int64_t ld_act,
+                     int type) {
     float gate[ROWS * PANEL], up[ROWS * PANEL];
     for (int64_t r = 0; r < n; r += ROWS) {
         int64_t m = n - r < ROWS ? n - r : ROWS;
-        if (m == ROWS) {
-            block_gemm(x, r, ROWS, gate_panel, k_dim, gate, PANEL, 1);
-            block_gemm(x, r, ROWS, up_panel, k_dim, up, PANEL, 1);
-        } else {
-            block_gemm(x, r, m, gate_panel, k_dim, gate, PANEL, 0);
-            block_gemm(x, r, m, up_panel, k_dim, up, PANEL, 0);
-        }
+        struct rows block = *x;
+        if (x->order) block.order += r;
+        else block.base += r * x->ld;
+        panel_gemm(&block, m, gate_panel, k_dim, gate, PANEL, 4, type);
+        panel_gemm(&block, m, up_panel, k_dim, up, PANEL, 4, type);
         for (int64_t i = 0; i < m; i++) {
             const float *g = gate + i * PANEL, *u = up + i * PANEL;
             float *a = act + (r + i) * ld_act;
@@ -163,34 +233,35 @@ static void act_gemm(const struct rows *x, int64_t n, const float *gate_panel,
 /* act = silu(x · W1ᵀ) · (x · W3ᵀ) [routed, I] for every active expert, its rows of x read in
  * place (inside a parallel region): each thread takes a contiguous share of every expert's
  * gate panels (and the matching up panels), balanced however unevenly the tokens went to
- * experts. Ends with a barrier. */
+ * experts. `w13` is expert 0's packed weight; expert e's follows at e · 2I/PANEL panels. Ends
+ * with a barrier. */
 static void experts_act(const float *x, int64_t hidden, const int64_t *order, int64_t topk,
-                        const float *w13, int64_t inter, const int64_t *active,
+                        const struct weights *w13, int64_t inter, const int64_t *active,
                         int64_t num_active, const int64_t *begin, const int64_t *count,
                         float *act) {
     int64_t panels = inter / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t a = 0; a < num_active; a++) {
-        int64_t e = active[a];
+        int64_t e = active[a], first = e * 2 * panels;
         struct rows rows = {x, hidden, order + begin[e], topk};
-        const float *w = w13 + e * 2 * panels * hidden * PANEL;
         for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
-            act_gemm(&rows, count[e], w + b * hidden * PANEL, w + (panels + b) * hidden * PANEL,
-                     hidden, act + begin[e] * inter + b * PANEL, inter);
+            act_gemm(&rows, count[e], panel_at(w13, first + b),
+                     panel_at(w13, first + panels + b), hidden,
+                     act + begin[e] * inter + b * PANEL, inter, w13->type);
     }
 #pragma omp barrier
 }
 
 /* down = act · W2ᵀ [routed, H] for every active expert, shared out as in experts_act. */
-static void experts_down(const float *act, int64_t inter, const float *w2, int64_t hidden,
-                         const int64_t *active, int64_t num_active, const int64_t *begin,
-                         const int64_t *count, float *down) {
+static void experts_down(const float *act, int64_t inter, const struct weights *w2,
+                         int64_t hidden, const int64_t *active, int64_t num_active,
+                         const int64_t *begin, const int64_t *count, float *down) {
     int64_t panels = hidden / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t a = 0; a < num_active; a++) {
         int64_t e = active[a];
         struct rows rows = {act + begin[e] * inter, inter, NULL, 1};
         for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
-            panel_gemm(&rows, count[e], w2 + (e * panels + b) * inter * PANEL, inter,
-                       down + begin[e] * hidden + b * PANEL, hidden);
+            panel_gemm(&rows, count[e], panel_at(w2, e * panels + b), inter,
+                       down + begin[e] * hidden + b * PANEL, hidden, 4, w2->type);
     }
 #pragma omp barrier
 }
@@ -251,26 +322,31 @@ static void combine(const float *down, const struct routing *r, const float *wei
 }
 
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
- * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL]; out [T, H].
- * `work` holds T·topk·(H + I) floats; the caller keeps it from call to call, because fresh
- * buffers this large are mapped anew by malloc and every first touch of a page faults.
- * Returns 0, or SRT_OUT_OF_MEMORY. */
-int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
-                          const float *weights, int64_t topk, int64_t start, int64_t num_experts,
-                          int64_t inter, const float *w13, const float *w2, float *out,
-                          float *work) {
+ * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL], both of `type`, with
+ * their scales [E][2I/PANEL][ceil(H/group13)][PANEL] and [E][H/PANEL][ceil(I/group2)][PANEL]
+ * for fp8 (else NULL); out [T, H]. `work` holds T·topk·(H + I) floats; the caller keeps it
+ * from call to call, because fresh buffers this large are mapped anew by malloc and every
+ * first touch of a page faults. Returns 0, or SRT_OUT_OF_MEMORY. */
+int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
+                      const float *weights, int64_t topk, int64_t start, int64_t num_experts,
+                      int64_t inter, int type, const void *w13, const float *scale13,
+                      int64_t group13, const void *w2, const float *scale2, int64_t group2,
+                      float *out, float *work) {
     struct routing r;
     if (route(ids, num_tokens * topk, start, num_experts, &r)) {
         free_routing(&r);
         return SRT_OUT_OF_MEMORY;
     }
+    struct weights up = {w13, scale13, hidden, scale13 ? group13 : hidden, type};
+    struct weights down_w = {w2, scale2, inter, scale2 ? group2 : inter, type};
     /* act [routed, I] | down [routed, H] */
     float *act = work, *down = act + r.routed * inter;
 #pragma omp parallel
     {
-        experts_act(x, hidden, r.order, topk, w13, inter, r.active, r.num_active, r.begin,
+        experts_act(x, hidden, r.order, topk, &up, inter, r.active, r.num_active, r.begin,
                     r.count, act);
-        experts_down(act, inter, w2, hidden, r.active, r.num_active, r.begin, r.count, down);
+        experts_down(act, inter, &down_w, hidden, r.active, r.num_active, r.begin, r.count,
+                     down);
         combine(down, &r, weights, num_tokens, topk, hidden, out);
     }
     free_routing(&r);
@@ -278,14 +354,16 @@ int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, co
 }
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
- * [ceil(N/PANEL)][K][PANEL], the last panel's columns past N zero. The work is shared out by
- * (panel, chunk of LINEAR_CHUNK rows), panel-major: decode's few rows leave whole panels to each
+ * [ceil(N/PANEL)][K][PANEL] of `type` (fp8: with its scales [ceil(N/PANEL)][ceil(K/group)]
+ * [PANEL], else NULL), the last panel's columns past N zero. The work is shared out by (panel,
+ * chunk of LINEAR_CHUNK rows), panel-major: decode's few rows leave whole panels to each
  * thread, and a layer of few panels (a router's) still has every thread busy in prefill. A
- * partial last panel computes only the vectors that hold its N % PANEL columns, into a buffer of
- * its own whose first N % PANEL columns are copied out. */
+ * partial last panel computes only the vectors that hold its N % PANEL columns, into a buffer
+ * of its own whose first N % PANEL columns are copied out. */
 #define LINEAR_CHUNK 64
-void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
-                          int64_t n_dim, float *y) {
+void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const void *panels,
+                      const float *scale, int64_t group, int64_t n_dim, float *y) {
+    struct weights W = {panels, scale, k_dim, scale ? group : k_dim, type};
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
     int64_t num_panels = full + (rest > 0), chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
@@ -294,13 +372,13 @@ void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float 
         int64_t b = u / chunks, r0 = (u % chunks) * LINEAR_CHUNK;
         int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
         struct rows rows = {x + r0 * k_dim, k_dim, NULL, 1};
-        const float *panel = panels + b * k_dim * PANEL;
         if (b < full) {
-            panel_gemm(&rows, m, panel, k_dim, y + r0 * n_dim + b * PANEL, n_dim);
+            panel_gemm(&rows, m, panel_at(&W, b), k_dim, y + r0 * n_dim + b * PANEL, n_dim, 4,
+                       type);
             continue;
         }
         float last[LINEAR_CHUNK * PANEL];
-        narrow_panel_gemm(&rows, m, panel, k_dim, last, PANEL, nv);
+        panel_gemm(&rows, m, panel_at(&W, b), k_dim, last, PANEL, nv, type);
         for (int64_t i = 0; i < m; i++)
             memcpy(y + (r0 + i) * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
     }

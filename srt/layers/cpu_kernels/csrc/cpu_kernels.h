@@ -19,12 +19,13 @@
  * before its index checks pass. Where the arguments are described: in the C file of each. */
 int64_t srt_panel_width(void);
 int srt_kernel_is_fast(void);
-void srt_panel_linear_f32(const float *x, int64_t n, int64_t k_dim, const float *panels,
-                          int64_t n_dim, float *y);
-int srt_fused_experts_f32(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
-                          const float *weights, int64_t topk, int64_t start, int64_t num_experts,
-                          int64_t inter, const float *w13, const float *w2, float *out,
-                          float *work);
+void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const void *panels,
+                      const float *scale, int64_t group, int64_t n_dim, float *y);
+int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
+                      const float *weights, int64_t topk, int64_t start, int64_t num_experts,
+                      int64_t inter, int type, const void *w13, const float *scale13,
+                      int64_t group13, const void *w2, const float *scale2, int64_t group2,
+                      float *out, float *work);
 void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
                       const float *residual, float *sum_out, const float *weight, float eps,
                       float *out);

@@ -1,0 +1,98 @@
+"""The CPU GEMM kernels over bf16 and block-FP8 weights: each is the float32 kernel over the
+dequantized weight, bit for bit (the weights are turned into float32 exactly, in registers,
+and summed in the same order), for any row count, a partial last panel, K not a whole number
+of groups and the small groups of tensor-parallel shards; and the checks refuse fp8 panels
+without their scales or with scales of the wrong grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt.layers import cpu_kernels
+from srt.layers.cpu_kernels import ops
+from srt.layers.quantization import fp8
+
+if not cpu_kernels.available():
+    pytest.skip("no C compiler to build the kernels", allow_module_level=True)
+
+
+def _fp8(n: int, k: int, group: int, lead=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 weight with per-row scales: blocks of 8 × 2·group, so rows and groups differ."""
+    q, scale_inv = fp8.quantize_blocks(torch.randn(*lead, n, k) * 0.3, (8, 2 * group))
+    return q, fp8.row_scales(scale_inv, n, k, (8, 2 * group), group)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+@pytest.mark.parametrize("n, k, group", [(40, 48, 16), (64, 100, 32), (7, 128, 128)])
+def test_fp8_panel_linear_is_float32_over_the_dequantized_weight(rows, n, k, group):
+    torch.manual_seed(rows + n)
+    q, scale = _fp8(n, k, group)
+    x = torch.randn(rows, k)
+    got = cpu_kernels.panel_linear(
+        x, cpu_kernels.pack_panels(q), n, cpu_kernels.pack_scales(scale), group
+    )
+    dense = cpu_kernels.pack_panels(fp8.dequantize(q, scale, group))
+    assert torch.equal(got, cpu_kernels.panel_linear(x, dense, n))
+    torch.testing.assert_close(got, x @ fp8.dequantize(q, scale, group).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_bf16_panel_linear_is_float32_over_the_widened_weight(rows):
+    w, x = torch.randn(72, 48).to(torch.bfloat16), torch.randn(rows, 48)
+    got = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), 72)
+    assert torch.equal(got, cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w.float()), 72))
+
+
+def _experts(dtype_or_group, experts=3, hidden=None, inter=None):
+    p = cpu_kernels.panel_width()
+    hidden, inter = hidden or 2 * p, inter or p
+    if isinstance(dtype_or_group, torch.dtype):
+        w13 = torch.randn(experts, 2 * inter, hidden).to(dtype_or_group)
+        w2 = torch.randn(experts, hidden, inter).to(dtype_or_group)
+        return (w13, w2), (None, None), (0, 0), (w13.float(), w2.float())
+    g13, g2 = dtype_or_group
+    (q13, s13), (q2, s2) = (
+        _fp8(2 * inter, hidden, g13, (experts,)),
+        _fp8(hidden, inter, g2, (experts,)),
+    )
+    dense = (fp8.dequantize(q13, s13, g13), fp8.dequantize(q2, s2, g2))
+    scales = (cpu_kernels.pack_scales(s13), cpu_kernels.pack_scales(s2))
+    return (q13, q2), scales, (g13, g2), dense
+
+
+@pytest.mark.parametrize("weights", [torch.bfloat16, (32, 16), (16, 8)])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_fused_experts_over_bf16_and_fp8_equal_float32_over_their_values(weights, tokens):
+    torch.manual_seed(tokens)
+    (w13, w2), scales, groups, dense = _experts(weights)
+    x, topk_w = torch.randn(tokens, w13.shape[2]), torch.rand(tokens, 2)
+    ids = torch.randint(0, 4, (tokens, 2))  # expert 3 is another rank's
+    packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
+    got = cpu_kernels.fused_experts(x, topk_w, ids, 0, *packed, scales, groups)
+    reference = [cpu_kernels.pack_panels(w) for w in dense]
+    assert torch.equal(got, cpu_kernels.fused_experts(x, topk_w, ids, 0, *reference))
+
+
+def test_fp8_checks_refuse_before_the_kernel_runs():
+    q, scale = _fp8(40, 48, 16)
+    panels, scales = cpu_kernels.pack_panels(q), cpu_kernels.pack_scales(scale)
+    x = torch.randn(2, 48)
+    with pytest.raises(ValueError, match="panels's scales and a group"):
+        ops._panel_linear(x, panels, 40)
+    with pytest.raises(ValueError, match=r"panels's scales .* are not"):
+        ops._panel_linear(x, panels, 40, scales, 8)
+    with pytest.raises(ValueError, match="are given for torch.bfloat16 panels"):
+        ops._panel_linear(x, panels.to(torch.bfloat16), 40, scales, 16)
+    with pytest.raises(ValueError, match="panels has dtype torch.float16"):
+        ops._panel_linear(x, panels.to(torch.float16), 40)
+    (w13, w2), scales, groups, _ = _experts((16, 16))
+    ids, topk_w = torch.zeros(1, 2, dtype=torch.long), torch.rand(1, 2)
+    args = (torch.randn(1, w13.shape[2]), topk_w, ids, 0, cpu_kernels.pack_panels(w13))
+    with pytest.raises(ValueError, match="w2_panels are torch.float32"):
+        ops._fused_experts(*args, cpu_kernels.pack_panels(w2.float()), scales[0], None, 16, 0)
+
+
+def test_scales_the_kernels_cannot_represent_are_refused():
+    with pytest.raises(ValueError, match="outside the CPU kernels' range"):
+        cpu_kernels.pack_scales(torch.full((4, 2), 300.0))
