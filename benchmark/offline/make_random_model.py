@@ -17,13 +17,19 @@ Deterministic. Presets:
   per layer, for the GPU figures (``benchmark/gpu/gpu_report.py``). Token ids past the tokenizer's
   512 only pad the vocabulary; their logits are damped like the other unprintable ones.
 
+``--quantization fp8`` writes any preset as a block-FP8 checkpoint in the published format
+(``benchmark/common/fp8_checkpoint.py``, 128 × 128 blocks; partial edge blocks where a dimension
+is no multiple of 128, as in ``small``, ``emulated`` and ``deepseek-v3``).
+
     python benchmark/offline/make_random_model.py --out-dir DIR \
-        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l]
+        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l] [--quantization fp8]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -114,10 +120,32 @@ QWEN3_MOE_PRESETS = {
 PRESETS = [*QWEN3_MOE_PRESETS, "deepseek-v3"]
 
 
-def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
+def make_mid_size_model(out_dir: str, preset: str = "mid", quantization: str | None = None) -> str:
+    """Writes ``preset`` to ``out_dir`` (kept if already there), stored as its config says or, with
+    ``quantization="fp8"``, as a block-FP8 checkpoint. Returns ``out_dir``."""
     out = Path(out_dir)
     if (out / "config.json").exists():
         return str(out)
+    if quantization is None:
+        _write_model(out, preset)
+        return str(out)
+    # Imported here: gpu_check.sh runs the plain path with only launch/ on the path.
+    from benchmark.common.fp8_checkpoint import (
+        published_modules_to_not_convert,
+        quantize_checkpoint,
+    )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as plain:  # beside out: same disk
+        _write_model(Path(plain), preset)
+        cfg = json.loads((Path(plain) / "config.json").read_text(encoding="utf-8"))
+        quantize_checkpoint(
+            plain, str(out), modules_to_not_convert=published_modules_to_not_convert(cfg)
+        )
+    return str(out)
+
+
+def _write_model(out: Path, preset: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
@@ -135,15 +163,15 @@ def make_mid_size_model(out_dir: str, preset: str = "mid") -> str:
     save_tokenizer(tok, out)
     save_weights(tensors, out, num_shards=4)
     _write_json(out / "config.json", cfg)  # written last: its presence means complete
-    return str(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--preset", choices=PRESETS, default="mid")
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
     args = parser.parse_args()
-    print(make_mid_size_model(args.out_dir, args.preset))
+    print(make_mid_size_model(args.out_dir, args.preset, args.quantization))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ The (token, slot) pairs are grouped by local expert into blocks of ``block_m`` r
 projection is one launch of a grouped GEMM over those blocks. Nothing here reads a device
 value on the host and every shape follows from the input shapes alone, so the whole forward
 runs without host synchronisation and can be captured in a CUDA graph.
+
+Block-FP8 experts (e4m3 weights with per-row scales, ``srt.layers.quantization.fp8``) take the
+same path with their scales and group: ``fused_moe_triton_fp8`` runs their projections.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import triton
 import triton.language as tl
 
 from srt.layers.activation import silu_and_mul
+from srt.layers.moe.fused_moe_triton_fp8 import invoke_fused_moe_fp8_kernel
 from srt.layers.moe.sorted_pairs import sort_pairs
 
 
@@ -158,20 +162,42 @@ def _check_dtypes(a: torch.Tensor, b: torch.Tensor) -> None:
         raise TypeError(f"dtypes differ: {a.dtype}, {b.dtype}")
 
 
+class Fp8Scales(NamedTuple):
+    """How to read fp8 expert weights ``[E, N, K]`` e4m3: their per-row ``scale``
+    ``[E, N, ceil(K / group)]`` float32, the K ``group``, and the compute ``capability`` that
+    picks W8A8 or weight-only (None: the device's own, ``fp8_triton.uses_w8a8``)."""
+
+    scale: torch.Tensor
+    group: int
+    capability: tuple[int, int] | None = None
+
+
+def _invoke(a, b, c, topk_weights, aligned, a_row_div, config, fp8: Fp8Scales | None) -> None:
+    """``invoke_fused_moe_kernel``, or its fp8 twin when ``fp8`` holds b's scales."""
+    if fp8 is None:
+        _check_dtypes(a, b)
+        invoke_fused_moe_kernel(a, b, c, topk_weights, aligned, a_row_div, config)
+    else:
+        scale, group, capability = fp8
+        invoke_fused_moe_fp8_kernel(
+            a, b, scale, group, c, topk_weights, aligned, a_row_div, config, capability
+        )
+
+
 def gated_up_triton(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     top_k: int,
     config: MoEKernelConfig,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """silu(gate·x) * (up·x) of every pair placed by ``aligned``, ``[T·topk, I]``; the rows of
     other ranks' pairs hold anything (nothing reads them). hidden_states [T, H]; w13
-    [E_local, 2·I, H] (gate rows then up rows)."""
-    _check_dtypes(hidden_states, w13)
+    [E_local, 2·I, H] (gate rows then up rows), e4m3 with ``fp8``'s scales if given."""
     num_pairs = hidden_states.shape[0] * top_k
     gate_up = hidden_states.new_empty(num_pairs, w13.shape[1])  # [T·topk, 2I]
-    invoke_fused_moe_kernel(hidden_states, w13, gate_up, None, aligned, top_k, config)
+    _invoke(hidden_states, w13, gate_up, None, aligned, top_k, config, fp8)
     return silu_and_mul(gate_up)
 
 
@@ -181,13 +207,14 @@ def down_triton(
     topk_weights: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     config: MoEKernelConfig,
+    fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """Each pair placed by ``aligned`` weighted by ``topk_weights`` [T, topk] (float32) times
     w2 · its ``act`` row, ``[T·topk, H]``; zero for the pairs ``aligned`` leaves out (other
-    ranks', or blocks marked -1). act [T·topk, I]; w2 [E_local, H, I]."""
-    _check_dtypes(act, w2)
+    ranks', or blocks marked -1). act [T·topk, I]; w2 [E_local, H, I], e4m3 with ``fp8``'s
+    scales if given."""
     out = act.new_zeros(act.shape[0], w2.shape[1])
-    invoke_fused_moe_kernel(act, w2, out, topk_weights, aligned, 1, config)
+    _invoke(act, w2, out, topk_weights, aligned, 1, config, fp8)
     return out
 
 
@@ -200,13 +227,16 @@ def fused_experts_triton(
     start: int,
     block_size: int | None = None,
     config: MoEKernelConfig | None = None,
+    w13_fp8: Fp8Scales | None = None,
+    w2_fp8: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """Σ_k w_k · w2 · (silu(gate·x) * (up·x)) over the local experts of each token, [T, H].
 
     hidden_states [T, H]; w13 [E_local, 2·I, H] (gate rows then up rows); w2 [E_local, H, I];
     topk_weights [T, topk] float32; topk_ids [T, topk] global ids, local ones in
     ``[start, start + E_local)``, the rest contributing nothing. ``config`` overrides the
-    block sizes, ``block_size`` only the rows per block. No host synchronisation."""
+    block sizes, ``block_size`` only the rows per block. ``w13_fp8`` and ``w2_fp8``: the scales
+    of e4m3 w13 and w2 (each its own group). No host synchronisation."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return hidden_states.new_zeros(0, hidden_states.shape[1])
@@ -214,6 +244,6 @@ def fused_experts_triton(
     if block_size is not None:
         config = config._replace(block_m=block_size)
     aligned = moe_align_block_size(topk_ids, config.block_m, w13.shape[0], start)
-    act = gated_up_triton(hidden_states, w13, aligned, top_k, config)  # [T·topk, I]
-    out = down_triton(act, w2, topk_weights.float(), aligned, config)  # [T·topk, H]
+    act = gated_up_triton(hidden_states, w13, aligned, top_k, config, w13_fp8)  # [T·topk, I]
+    out = down_triton(act, w2, topk_weights.float(), aligned, config, w2_fp8)  # [T·topk, H]
     return out.view(num_tokens, top_k, -1).sum(dim=1)
