@@ -27,8 +27,6 @@ from srt.server_args_choices import (
     DEEPEP_MODE_CHOICES,
     DEFAULT_BURST_CHUNK_SIZE,
     DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
-    DEVICE_CHOICES,
-    DTYPE_CHOICES,
     GRAMMAR_BACKEND_CHOICES,
     LOAD_BALANCE_CHOICES,
     MOE_A2A_BACKEND_CHOICES,
@@ -36,42 +34,15 @@ from srt.server_args_choices import (
     TOOL_CALL_PARSER_CHOICES,
 )
 from srt.server_args_debug import DebugArgs, apply_env_aliases
+from srt.server_args_model import ModelArgs
 from srt.server_args_overlap import OverlapArgs, _arg
 
 
 @dataclass
-class ServerArgs(DebugArgs, OverlapArgs):
-    """Every flag: the overlap and logging ones (``OverlapArgs``, ``DebugArgs``), then these."""
+class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
+    """Every flag: the model's, the overlap and the logging ones (``ModelArgs``,
+    ``OverlapArgs``, ``DebugArgs``), then these."""
 
-    # Model and tokenizer
-    model_path: str | None = field(
-        default=None,
-        metadata=_arg(
-            "model",
-            "HF model directory (the launcher and benchmarks serve the bundled tiny Qwen3-MoE "
-            "when it is left out).",
-        ),
-    )
-    tokenizer_path: str | None = field(
-        default=None, metadata=_arg("model", "Tokenizer directory; default: --model-path.")
-    )
-    dtype: str = field(
-        default="auto",
-        metadata=_arg("model", "Weight and activation dtype.", choices=DTYPE_CHOICES),
-    )
-    kv_cache_dtype: str = field(
-        default="auto",
-        metadata=_arg("model", "KV cache dtype; auto follows --dtype.", choices=DTYPE_CHOICES),
-    )
-    context_length: int | None = field(
-        default=None,
-        metadata=_arg("model", "Maximum context length; default: the model config's."),
-    )
-    device: str = field(
-        default="auto",
-        metadata=_arg("model", "Device; auto picks cuda when available.", choices=DEVICE_CHOICES),
-    )
-    random_seed: int = field(default=0, metadata=_arg("model", "Seed of the unseeded sampler."))
     # Kernels and CUDA graphs
     attention_backend: str = field(
         default="auto",

@@ -3,6 +3,7 @@
 against them too (the offline ``Engine``'s keyword arguments bypass argparse). Also the flag
 constants that the layers share with ``ServerArgs``."""
 
+QUANTIZATION_CHOICES = ["fp8"]
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]  # auto resolves to one of the others at start-up
 ATTENTION_BACKEND_CHOICES = ["auto", "triton", "cpu", "torch_native"]

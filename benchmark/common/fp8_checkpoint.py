@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from srt.layers.quantization import fp8
+from srt.layers.quantization.config import not_converted
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,7 +39,7 @@ def is_quantized(name: str, tensor: torch.Tensor, modules_to_not_convert: list[s
     last = module.rpartition(".")[2]
     if last in NEVER_QUANTIZED or "norm" in last:
         return False
-    return not any(module == m or module.startswith(m + ".") for m in modules_to_not_convert)
+    return not not_converted(module, modules_to_not_convert)
 
 
 def _read_json(path: Path) -> dict:

@@ -119,7 +119,13 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` times an fp8 ``weight`` ``[N, K]`` with per-row ``scale``, without the CPU
-    kernels' panels: the weight dequantized to ``x``'s dtype for the call."""
+    kernels' panels: on CUDA the Triton kernels (W8A8 from sm89, weight-only below:
+    ``fp8_triton.fp8_linear``); elsewhere the weight dequantized to ``x``'s dtype for the
+    call."""
+    if x.is_cuda:
+        from srt.layers.quantization import fp8_triton  # triton: imported on first use
+
+        return fp8_triton.fp8_linear(x, weight, scale, group, bias)
     return F.linear(x, fp8.dequantize(weight, scale, group).to(x.dtype), bias)
 
 
@@ -153,6 +159,10 @@ class LinearBase(nn.Module):
     def full_rows(self, shard_id=None) -> int:
         """The rows of the checkpoint tensor that loads as ``shard_id``."""
         return self.output_size
+
+    def local_parts(self) -> list[int]:
+        """This rank's rows of each checkpoint tensor fused into the weight, in order."""
+        return [self.weight.shape[0]]
 
     @property
     def input_shard(self) -> int | None:
@@ -202,12 +212,15 @@ class LinearBase(nn.Module):
 
     def quantize_loaded(self, block: tuple[int, int]) -> None:
         """Online fp8 (``--quantization fp8`` on a bf16 or float32 checkpoint): the loaded
-        weight quantized in ``block``'s format, this rank's shard on its own."""
+        weight quantized in ``block``'s format, this rank's shard of each fused part on its
+        own (on one rank, the blocks an fp8 checkpoint of the same weights holds)."""
         if self.keep_dense:
             return
         self.fp8_block = block
         self.weight_group = fp8.group_for(block[1], self.input_shard)
-        q, scale = fp8.quantize_rows(self.weight.data, block, self.weight_group)
+        parts = self.weight.data.split(self.local_parts())
+        quantized = [fp8.quantize_rows(part, block, self.weight_group) for part in parts]
+        q, scale = (torch.cat(t) for t in zip(*quantized))
         self._set_fp8(q, scale, self.weight.dtype)
 
     def prepare_for_cpu(self) -> None:
@@ -294,6 +307,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def full_rows(self, shard_id: int | None = None) -> int:
         return self.output_size if shard_id is None else self.output_sizes[shard_id]
 
+    def local_parts(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
+
     def weight_loader(self, param, loaded, name="", shard_id: int | None = None):
         if shard_id is None:  # a fused checkpoint tensor: split it into its parts
             for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
@@ -332,6 +348,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def full_rows(self, shard_id: str | None = None) -> int:
         heads = self.total_heads
         return (heads[shard_id] if shard_id else sum(heads.values())) * self.head_dim
+
+    def local_parts(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
 
     def weight_loader(self, param, loaded, name="", shard_id: str | None = None):
         if shard_id is None:  # a fused checkpoint tensor: split it into q, k, v

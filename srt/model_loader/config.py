@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from srt.layers.quantization.config import Fp8Config, quantization_from
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +44,7 @@ class ModelConfig:
     context_len: int
     vocab_size: int
     eos_token_ids: set[int]
+    quantization: Fp8Config | None = None  # block-FP8 weights (checkpoint or online)
 
     @classmethod
     def from_server_args(cls, server_args) -> ModelConfig:
@@ -58,6 +61,9 @@ class ModelConfig:
         )
         max_pos = getattr(hf_config, "max_position_embeddings", 4096)
         context_len = server_args.context_length or max_pos
+        quant = quantization_from(
+            getattr(hf_config, "quantization_config", None), server_args.quantization, path
+        )
         return cls(
             path,
             hf_config,
@@ -67,6 +73,7 @@ class ModelConfig:
             context_len,
             hf_config.vocab_size,
             _eos_token_ids(path, hf_config),
+            quant,
         )
 
     @property

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from srt.distributed.parallel_state import ParallelState
+from srt.layers.quantization.config import finish_fp8, prepare_fp8
 from srt.model_loader.config import ModelConfig
 from srt.model_loader.weight_utils import iterate_safetensors
 from srt.models.model_context import ModelOptions
@@ -20,7 +21,7 @@ def load_model(
 ) -> nn.Module:
     """Build the model of this rank (``parallel``: its groups, default one rank; ``options``:
     the server flags that shape it) and load its shard of every weight from the full
-    checkpoint."""
+    checkpoint (block-FP8 weights as the config says: ``srt.layers.quantization``)."""
     model_class = get_model_class(model_config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
@@ -29,5 +30,8 @@ def load_model(
             model = model_class(model_config.hf_config, parallel, options)
     finally:
         torch.set_default_dtype(previous)
+    quant, stacked = model_config.quantization, model.weight_mapping().stacked
+    prepare_fp8(model, quant, stacked)
     model.load_weights(iterate_safetensors(model_config.model_path))
+    finish_fp8(model, quant, stacked)
     return model.eval()

@@ -62,6 +62,7 @@ class DeepseekV2MLA(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, total_heads * (self.nope + self.v_head_dim), **tp
         )
+        self.kv_b_proj.keep_dense = True  # read as w_uk / w_uv (``_kv_b``)
         self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, h, bias=bias, **tp)
         self.num_heads = total_heads // tp_size  # the column-parallel layers checked divisibility
         rope_params = rope_parameters(config)

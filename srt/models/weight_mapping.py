@@ -13,7 +13,9 @@ from torch import nn
 
 from srt.layers.linear import default_weight_loader
 
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
+)
 _EXPERT_SHARDS = {
     "gate_proj": ("w13_weight", "w1"),
     "up_proj": ("w13_weight", "w3"),
@@ -28,7 +30,8 @@ class WeightMapping:
 
     ``stacked``: (parameter name part, checkpoint name part, shard id) — e.g. q_proj goes into
     qkv_proj as shard "q". Per-expert tensors ``…experts.{e}.{gate,up,down}_proj.weight`` go to
-    the stacked ``w13_weight`` / ``w2_weight`` of ``num_experts`` experts.
+    the stacked ``w13_weight`` / ``w2_weight`` of ``num_experts`` experts (their fp8 block
+    scales ``….weight_scale_inv`` to ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``).
     """
 
     stacked: list[tuple[str, str, str | int]]
@@ -51,7 +54,8 @@ def _route(name: str, mapping: WeightMapping) -> tuple[str, tuple]:
     expert = _EXPERT_RE.match(name)
     if expert:
         param, shard = _EXPERT_SHARDS[expert.group(3)]
-        return f"{expert.group(1)}.{param}", (shard, int(expert.group(2)))
+        scale = expert.group(4) or ""  # fp8: the block scales
+        return f"{expert.group(1)}.{param}{scale}", (shard, int(expert.group(2)))
     for param_part, ckpt_part, shard in mapping.stacked:
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{param_part}."), (shard,)
@@ -59,9 +63,9 @@ def _route(name: str, mapping: WeightMapping) -> tuple[str, tuple]:
 
 
 def _expected_pieces(name: str, mapping: WeightMapping) -> int:
-    if name.endswith(".w13_weight"):
+    if name.endswith((".w13_weight", ".w13_weight_scale_inv")):
         return 2 * mapping.num_experts
-    if name.endswith(".w2_weight"):
+    if name.endswith((".w2_weight", ".w2_weight_scale_inv")):
         return mapping.num_experts
     return max(1, sum(f".{p}." in name for p, _, _ in mapping.stacked))
 

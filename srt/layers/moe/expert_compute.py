@@ -153,8 +153,13 @@ class _TritonCompute(_PairCompute):
         e = moe.num_local_experts
         self.kernels, self.config = kernels, kernels.default_config(topk_ids.numel(), e)
         self.aligned = kernels.moe_align_block_size(topk_ids, self.config.block_m, e, moe.start)
+        # fp8 experts: their per-row scales and K groups (``srt.layers.quantization.fp8``).
+        self.fp8 = [
+            None if scale is None else kernels.Fp8Scales(scale, group)
+            for scale, group in zip(moe.scales, moe.groups)
+        ]
         self.act = kernels.gated_up_triton(
-            hidden, moe.w13_weight, self.aligned, self.top_k, self.config
+            hidden, moe.w13_weight, self.aligned, self.top_k, self.config, self.fp8[0]
         )  # [P, I]
         self.weights = topk_weights.float()
 
@@ -168,7 +173,9 @@ class _TritonCompute(_PairCompute):
 
     def _down(self, aligned) -> torch.Tensor:
         w2 = self.moe.w2_weight
-        return self.kernels.down_triton(self.act, w2, self.weights, aligned, self.config)
+        return self.kernels.down_triton(
+            self.act, w2, self.weights, aligned, self.config, self.fp8[1]
+        )
 
 
 class _CpuKernelCompute(ExpertCompute):

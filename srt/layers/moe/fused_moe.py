@@ -172,12 +172,19 @@ class FusedMoE(nn.Module):
         per_row = fp8.row_scales(loaded, rows, cols, self.fp8_block, group)
         self.weight_loader(param, per_row, name, shard_id, expert_id)
 
+    def finish_fp8(self) -> None:
+        """Once an fp8 checkpoint is loaded: nothing, the experts' kernels read e4m3."""
+
     def quantize_loaded(self, block: tuple[int, int]) -> None:
         """Online fp8 (``--quantization fp8``): the loaded experts quantized in ``block``'s
-        format, this rank's shard on its own."""
+        format, this rank's shard of the gate, the up and the down projection each on its own
+        (on one rank, the blocks an fp8 checkpoint of the same weights holds)."""
         self.fp8_block, self.groups = block, self._groups(block[1])
         for name, group in zip(("w13_weight", "w2_weight"), self.groups):
-            self._set_fp8(name, *fp8.quantize_rows(getattr(self, name).data, block, group))
+            w = getattr(self, name).data
+            parts = w.chunk(2, dim=1) if name == "w13_weight" else (w,)
+            quantized = [fp8.quantize_rows(part, block, group) for part in parts]
+            self._set_fp8(name, *(torch.cat(t, dim=1) for t in zip(*quantized)))
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -61,12 +61,19 @@ def test_sort_pairs_orders_by_local_expert_others_last():
     assert expert_ends(pairs.sorted_local, 4).tolist() == [1, 3, 3, 4]
 
 
-@pytest.mark.parametrize("kernel", list(ExpertKernel))
-def test_output_equals_the_sum_of_its_blocks(kernel):
+FP8_KERNELS = [k for k in ExpertKernel if k is not ExpertKernel.GROUPED_MM]  # no scales there
+
+
+@pytest.mark.parametrize(
+    "kernel, fp8", [(k, False) for k in ExpertKernel] + [(k, True) for k in FP8_KERNELS]
+)
+def test_output_equals_the_sum_of_its_blocks(kernel, fp8):
     torch.manual_seed(0)
     moe = FusedMoE(8, 64, 64, ep_rank=1, ep_size=2)
     torch.nn.init.normal_(moe.w13_weight, std=0.2)
     torch.nn.init.normal_(moe.w2_weight, std=0.2)
+    if fp8:
+        moe.quantize_loaded((128, 128))
     if kernel is ExpertKernel.CPU_KERNEL:
         moe.prepare_for_cpu()
         if moe.panels is None:
