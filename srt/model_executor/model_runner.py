@@ -111,9 +111,8 @@ class ModelRunner:
         self._init_split_executors()
         self._init_attention_backend()
         self.sampler = Sampler(server_args.random_seed)
-        weights = WeightBytes.of(self.model)
-        self.weight_bytes = weights.total
-        self.cpu_threads = CpuThreads.from_server_args(server_args, weights)
+        self.weight_bytes = WeightBytes.of(self.model).total
+        self.cpu_threads = CpuThreads.from_server_args(server_args, WeightBytes.of(self.model, 4))
         # forwards run, by (overlap mode: off / tbo / sbo / dbo, local forward mode)
         self.step_counts: Counter[tuple[str, str]] = Counter()
         self.step_overlap = StepOverlap(

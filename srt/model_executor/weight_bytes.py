@@ -26,12 +26,18 @@ class WeightBytes:
     top_k: int = 0
 
     @classmethod
-    def of(cls, model: nn.Module) -> WeightBytes:
+    def of(cls, model: nn.Module, per_weight: int | None = None) -> WeightBytes:
+        """The model's parameter bytes, each weight counted at ``per_weight`` bytes if given
+        (the float32 bytes of a bf16 or fp8 model), else at its dtype's size."""
         blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        total = sum(p.nbytes for p in model.parameters())
+
+        def size(params) -> int:
+            return sum(p.numel() * per_weight if per_weight else p.nbytes for p in params)
+
+        total = size(model.parameters())
         if not blocks:
             return cls(total)
-        experts = sum(p.nbytes for b in blocks for p in b.experts.parameters())
+        experts = sum(size(b.experts.parameters()) for b in blocks)
         first = blocks[0]
         return cls(total - experts, experts, first.experts.num_experts, first.topk_config.top_k)
 
