@@ -10,8 +10,8 @@ core, so it keeps them all.
 
 What a step reads is counted in float32 bytes whatever the weights' dtype: the C kernels
 turn bf16 and fp8 weights into float32 in registers, so a step's time falls less than its bytes
-(one core streams 2.4 G float32 weights a second, 4.2 G bf16 and 6.2 G fp8; 2048 × 16384, one
-row); an fp8 decode step of the mid-size checkpoint (50 MB) took 1.9× as long on one core.
+(one core streamed 2.4 G float32 weights a second, 4.2 G bf16 and 6.2 G fp8: a 16384 × 2048
+weight, one row, cold caches).
 
 What a decode step reads is not the model's size: of the routed experts it reads at most
 ``sequences × top_k`` experts' worth (``WeightBytes.read_by``), so a mixture of experts that is
