@@ -48,8 +48,8 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         default="auto",
         metadata=_arg(
             "kernels",
-            "Paged attention: triton (CUDA), cpu (srt's C kernels on CPU, float32; other "
-            "dtypes and MLA's extend on SDPA) or torch_native (PyTorch's SDPA, any device). "
+            "Paged attention: triton (CUDA), cpu (srt's C kernels on CPU, float32 or bfloat16; "
+            "other dtypes and MLA's extend on SDPA) or torch_native (PyTorch's SDPA, any device). "
             "auto: triton on CUDA, cpu on CPU where its kernels build, else torch_native.",
             choices=ATTENTION_BACKEND_CHOICES,
         ),

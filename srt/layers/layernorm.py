@@ -16,17 +16,20 @@ class RMSNorm(nn.Module):
         self.in_kernel = False  # set by prepare_for_cpu where the CPU kernels run this norm
 
     def prepare_for_cpu(self) -> None:
-        """Once loaded, on CPU: run float32 norms in one C call (``cpu_kernels.rms_norm``)."""
-        w = self.weight  # the norm kernel takes float32 only
-        self.in_kernel = w.dtype == torch.float32 and cpu_kernels.supports(w.device, w.dtype)
+        """Once loaded, on CPU: run float32 and bfloat16 norms in one C call
+        (``cpu_kernels.rms_norm``)."""
+        w = self.weight
+        in_kernel = w.dtype in cpu_kernels.ACT_TYPES
+        self.in_kernel = in_kernel and cpu_kernels.supports(w.device, w.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual). Once
-        ``prepare_for_cpu`` found the CPU kernels, float32 input takes one C call."""
-        if self.in_kernel and x.dtype == torch.float32 and x.numel():
-            if residual is None or residual.dtype == torch.float32:
+        ``prepare_for_cpu`` found the CPU kernels, input of the weight's dtype takes one C call."""
+        dtype = self.weight.dtype
+        if self.in_kernel and x.dtype == dtype and x.numel():
+            if residual is None or residual.dtype == dtype:
                 return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual

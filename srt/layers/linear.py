@@ -52,8 +52,9 @@ def pack_weight(
     float32, bf16 and fp8 weights (``scale``: its per-row scales with ``group``,
     ``srt.layers.quantization.fp8``) (``srt.layers.cpu_kernels``: as fast as oneDNN for many
     rows, faster for the few rows of decode; any N, the last panel padded); without the
-    kernels, oneDNN's blocked layout (float32 or bf16); None where neither is available (fp8
-    without the kernels: ``linear`` dequantizes). oneDNN on CPU is several times faster
+    kernels, oneDNN's blocked layout (float32, or bf16 where the processor has oneDNN's bf16
+    instructions); None where neither is available (``F.linear``; fp8 without the kernels:
+    ``linear`` dequantizes). oneDNN on CPU is several times faster
     than ``F.linear`` (MKL) at every batch size: MKL picks a GEMV-like kernel for one row and a
     poorly blocked one for a few, and on AMD processors keeps to AVX2; oneDNN's kernel also
     gives each row the same result whatever the batch, so split and unsplit batches agree bit
@@ -69,7 +70,10 @@ def pack_weight(
         or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:  # oneDNN's bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+        return None
 
 
 def padded_rows(num_rows: int) -> int:

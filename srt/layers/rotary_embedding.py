@@ -1,10 +1,10 @@
 """Rotary position embedding: default and YaRN frequencies, NeoX (half-split) and GPT-J
 (interleaved pairs) layouts.
 
-On CPU in float32 with the CPU kernels built, a layer's rotation is one C call per tensor
-(``cpu_kernels.rope``) reading cosines and sines from a table per position (``CosSinTable``),
-shared by every layer of the same frequencies and grown when a position lies past its end; its
-entries are the values the PyTorch path computes for that position."""
+On CPU in float32 or bfloat16 with the CPU kernels built, a layer's rotation is one C call per
+tensor (``cpu_kernels.rope``) reading cosines and sines from a table per position
+(``CosSinTable``), shared by every layer of the same frequencies and grown when a position lies
+past its end; its entries are the values the PyTorch path computes for that position."""
 
 from __future__ import annotations
 
@@ -141,8 +141,9 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_table: CosSinTable | None = None  # set by prepare_for_cpu: C rotation
 
     def prepare_for_cpu(self) -> None:
-        """Once loaded, on CPU: rotate float32 tensors in C (``cpu_kernels.rope``), from a
-        table of the model's own range of positions at first (at most 4096)."""
+        """Once loaded, on CPU: rotate float32 and bfloat16 tensors in C
+        (``cpu_kernels.rope``), from a table of the model's own range of positions at first (at
+        most 4096)."""
         if self.inv_freq.device.type == "cpu" and cpu_kernels.available():
             rows = min(self.max_position, 4096)
             self.cos_sin_table = CosSinTable.shared(self.inv_freq, self.attention_factor, rows)
@@ -151,7 +152,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, rotary_dim]; k [T, Hk, rotary_dim]."""
-        if self.cos_sin_table is not None and q.dtype == k.dtype == torch.float32:
+        if self.cos_sin_table is not None and q.dtype == k.dtype in cpu_kernels.ACT_TYPES:
             return self._rotate_in_c(positions.to(torch.int64).contiguous(), q, k)
         cos, sin = cos_sin(positions.to(torch.float32), self.inv_freq, self.attention_factor)
         cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]

@@ -149,3 +149,41 @@ def test_rope_in_c_equals_pytorch(neox, params):
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="negative position"):
         rope(torch.tensor([3, -1]), q[:2], k[:2])
+
+
+def _widened_then_rounded(kernel, *tensors):
+    """The float32 kernel over the bf16 tensors widened, its output rounded to bf16: what the
+    bf16 kernels must give bit for bit (they widen as they read and compute in float32)."""
+    return kernel(*(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)).bfloat16()
+
+
+def test_bf16_attention_is_the_float32_kernel_on_its_values_rounded_once():
+    k_buf, v_buf, table = (t.bfloat16() if t.is_floating_point() else t
+                           for t in _cache(2, 64, 48, mla=False))  # fmt: skip
+    q = torch.randn(5, 8, 64).bfloat16()
+    rows, lens = torch.tensor([3, 0, 7, 11, 5]), torch.tensor([1, CONTEXT, 17, 33, 64])
+    decode = lambda q, k, v: cpu_kernels.decode_attention(q, k, v, table, rows, lens, 0.125)  # noqa: E731
+    out = decode(q, k_buf, v_buf)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _widened_then_rounded(decode, q, k_buf, v_buf))
+    expected = _reference(q.float(), k_buf.float(), v_buf.float(), table, rows, lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    seqs = _extend_seqs([3, 0, 7], [0, 5, 63], [1, 70, 2])
+    q = torch.randn(73, 8, 64).bfloat16()
+    extend = lambda q, k, v: cpu_kernels.extend_attention(q, k, v, table, seqs, 0.125)  # noqa: E731
+    assert torch.equal(extend(q, k_buf, v_buf), _widened_then_rounded(extend, q, k_buf, v_buf))
+    with pytest.raises(ValueError, match="k_buf must be a 3-d torch.bfloat16"):
+        cpu_kernels.decode_attention(q[:5], k_buf.float(), v_buf, table, rows, lens, 0.125)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_bf16_rope_is_the_float32_kernel_rounded_once(neox):
+    rope = RotaryEmbedding(32, 256, {"rope_theta": 10000.0}, is_neox_style=neox)
+    rope.prepare_for_cpu()
+    qkv = torch.randn(6, 7, 48).bfloat16()
+    q, k = qkv[:, :4, 8:40], qkv[:, 6:, 16:]
+    positions = torch.tensor([0, 1, 63, 255, 300, 17])
+    got = rope(positions, q, k)
+    expected = rope(positions, q.float(), k.float())
+    for out, ref in zip(got, expected):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())

@@ -84,6 +84,8 @@ METADATA_CASES = [
     ("fused_experts", _with(_exp, 3, -1), "start -1 is negative"),
     ("rms_norm", (torch.randn(2, 8), torch.ones(7), 1e-6), "weight has size 7"),
     ("rms_norm", (torch.randn(2, 8), torch.ones(8), -1.0), "eps -1.0 is not"),
+    ("rms_norm", (torch.randn(2, 8).half(), torch.ones(8).half(), 1e-6), "x has dtype torch.fl"),
+    ("rms_norm", (torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6), "weight must be a 1-d"),
     ("fused_add_rms_norm", (torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6),
      "residual .* is not x's"),
     ("decode_attention", _decode_args(q=torch.randn(2, 3, 16)), "q has 3 heads, not a multiple"),

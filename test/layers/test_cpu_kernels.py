@@ -154,3 +154,21 @@ def test_rms_norm_equals_pytorch_on_views_and_with_residual():
     assert torch.equal(total, x + residual)
     torch.testing.assert_close(out, norm._norm(x + residual), atol=1e-5, rtol=1e-5)
     assert torch.equal(norm(x[2:3]), norm(x)[2:3])  # a row's bits do not depend on its batch
+
+
+def test_bf16_rms_norm_rounds_where_pytorch_does():
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    norm.prepare_for_cpu()
+    assert norm.in_kernel
+    qkv = torch.randn(5, 12 * 64).bfloat16()
+    for x in (qkv[:, : 8 * 64].reshape(-1, 8, 64), torch.randn(3, 64).bfloat16()):
+        out = norm(x)
+        assert out.dtype == torch.bfloat16
+        # The sum of squares runs in another order than torch's mean: an ulp of bf16 at most.
+        torch.testing.assert_close(out, norm._norm(x), atol=0, rtol=2**-7)
+    x, residual = torch.randn(7, 64).bfloat16(), torch.randn(7, 64).bfloat16()
+    out, total = norm(x, residual)
+    assert torch.equal(total, x + residual)  # the add rounded to bf16, as torch's
+    torch.testing.assert_close(out, norm._norm(x + residual), atol=0, rtol=2**-7)

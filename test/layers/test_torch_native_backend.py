@@ -188,8 +188,10 @@ def _pools(dtype: torch.dtype, mla: bool):
         (torch.float32, False, ForwardMode.EXTEND, True),
         (torch.float32, True, ForwardMode.DECODE, True),
         (torch.float32, True, ForwardMode.EXTEND, False),  # MLA's extend expands its latent
-        (torch.bfloat16, False, ForwardMode.DECODE, False),  # the kernels are float32
-        (torch.bfloat16, False, ForwardMode.EXTEND, False),
+        (torch.bfloat16, False, ForwardMode.DECODE, True),
+        (torch.bfloat16, False, ForwardMode.EXTEND, True),
+        (torch.float16, False, ForwardMode.DECODE, False),  # the kernels: float32 or bfloat16
+        (torch.float16, False, ForwardMode.EXTEND, False),
     ],
 )
 def test_cpu_backend_runs_the_kernels_where_they_apply(dtype, mla, mode, kernels):

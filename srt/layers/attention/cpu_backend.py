@@ -4,9 +4,10 @@
 One C call per layer reads each sequence's KV slots in place from the paged cache, without
 gathering them: ``cpu_kernels.decode_attention`` over the batch's own request rows and lengths,
 and ``cpu_kernels.extend_attention``, causal after each cached prefix, its output written
-straight into ``[T, H, Dv]``. The kernels are float32; a KV cache of another dtype, and MLA's
-extend (which expands keys and values from its cached latent), run on PyTorch's SDPA
-(``TorchNativeAttnBackend``) instead.
+straight into ``[T, H, Dv]``. The kernels read a float32 or bfloat16 cache (queries are
+cast to it, the output back to the queries' dtype) and compute in float32; a KV cache of
+another dtype, and MLA's extend (which expands keys and values from its cached latent), run on
+PyTorch's SDPA (``TorchNativeAttnBackend``) instead.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class CpuAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
-        if pool.dtype != torch.float32:
+        if pool.dtype not in cpu_kernels.ACT_TYPES:
             self.sdpa.init_forward_metadata(batch)
         elif batch.forward_mode.is_decode():
             batch.attn_metadata = CpuAttnMetadata()
@@ -64,19 +65,21 @@ class CpuAttnBackend(AttentionBackend):
         if layer.kv_from_cache is not None:
             raise RuntimeError("in-place extend attention reads keys as cached, not expanded")
         k_cache, v_cache = _cache(layer, batch, k, v, save_kv_cache)
-        return cpu_kernels.extend_attention(
-            q, k_cache, v_cache, batch.req_to_token_pool.req_to_token, meta.extend_seqs,
-            layer.scaling,
+        out = cpu_kernels.extend_attention(
+            q.to(k_cache.dtype), k_cache, v_cache, batch.req_to_token_pool.req_to_token,
+            meta.extend_seqs, layer.scaling,
         )  # fmt: skip
+        return out.to(q.dtype)
 
     def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True):
         if not isinstance(batch.attn_metadata, CpuAttnMetadata):
             return self.sdpa.forward_decode(q, k, v, layer, batch, save_kv_cache)
         k_cache, v_cache = _cache(layer, batch, k, v, save_kv_cache)
-        return cpu_kernels.decode_attention(
-            q, k_cache, v_cache, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
-            batch.seq_lens, layer.scaling,
+        out = cpu_kernels.decode_attention(
+            q.to(k_cache.dtype), k_cache, v_cache, batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices, batch.seq_lens, layer.scaling,
         )  # fmt: skip
+        return out.to(q.dtype)
 
 
 def _cache(layer, batch: ForwardBatch, k, v, save_kv_cache: bool):

@@ -1,7 +1,8 @@
 """CPU kernels in C, each a checked torch op (``srt::…``): a linear layer over weights packed in
 panels (``panel_linear``) and the routed experts of a MoE layer in one call (``fused_experts``),
 float32 activations over float32, bfloat16 or block-FP8 weights; RMSNorm with its residual add
-(``rms_norm``), in ``csrc/cpu_kernels.c``;
+(``rms_norm``), in ``csrc/cpu_kernels.c``; the norm, rope and attention take float32 or
+bfloat16 activations and KV cache, computing in float32;
 decode attention over the paged KV cache (``decode_attention``) and rotary embedding
 (``rope``), in ``csrc/cpu_attention.c``; causal extend attention over the same cache
 (``extend_attention``), in ``csrc/cpu_extend_attention.c``.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from srt.layers.cpu_kernels.build import load_library
-from srt.layers.cpu_kernels.checks import WEIGHT_TYPES, PositionOutsideTable
+from srt.layers.cpu_kernels.checks import ACT_TYPES, WEIGHT_TYPES, PositionOutsideTable
 from srt.layers.cpu_kernels.ops import (
     decode_attention,
     extend_attention,
@@ -28,6 +29,7 @@ from srt.layers.cpu_kernels.ops import (
 )
 
 __all__ = [
+    "ACT_TYPES",
     "PositionOutsideTable",
     "available",
     "can_pack",
@@ -53,7 +55,7 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the GEMM kernels run on weights of ``dtype`` on ``device``: float32, bfloat16 or
     float8_e4m3fn (with scales) on CPU, with the kernels available. Dense layers
     (``can_pack``) and the experts (``srt.layers.moe.expert_kernel``) ask this one question.
-    The other kernels (norm, rope, attention) take float32 only."""
+    The other kernels (norm, rope, attention) take float32 or bfloat16 (``ACT_TYPES``)."""
     return device.type == "cpu" and dtype in WEIGHT_TYPES and available()
 
 

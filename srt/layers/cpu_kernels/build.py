@@ -52,18 +52,18 @@ DECLARATIONS: dict[str, tuple[type | None, list[type]]] = {
         [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr,
          _ptr, _i64, _ptr, _ptr],
     ),
-    "srt_rms_norm_f32": (None, [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr]),
-    "srt_decode_attention_f32": (
+    "srt_rms_norm": (None, [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr]),
+    "srt_decode_attention": (
         _int,
-        [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
+        [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
          _i64, _i64, _i64, _i64, _ptr, _ptr, _f32, _ptr],
     ),
-    "srt_extend_attention_f32": (
+    "srt_extend_attention": (
         _int,
-        [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
+        [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
          _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr],
     ),
-    "srt_rope_f32": (_int, [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr]),
+    "srt_rope": (_int, [_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr]),
 }
 # fmt: on
 

@@ -38,6 +38,14 @@ def _equal(op: str, name: str, what: str, value: int, expected: int) -> None:
 
 # The weight dtypes the GEMM kernels read, with the code the C functions take for each.
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# The activation (and KV cache) dtypes the norm, rope and attention kernels take.
+ACT_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _act_dtype(op: str, name: str, t: torch.Tensor) -> torch.dtype:
+    if t.dtype not in ACT_TYPES:
+        _fail(op, name, f"has dtype {t.dtype}; the kernel takes {list(ACT_TYPES)}")
+    return t.dtype
 
 
 def _check_weight(
@@ -121,28 +129,31 @@ def check_fused_experts(
 def check_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
 ) -> None:
-    """x [..., dim] float32 (any strides); weight [dim] contiguous; residual shaped as x."""
+    """x [..., dim] float32 or bfloat16 (any strides); weight [dim] contiguous and residual
+    shaped as x, both of x's dtype."""
     op = "rms_norm" if residual is None else "fused_add_rms_norm"
-    if not x.is_cpu or x.dtype != torch.float32 or x.dim() == 0:
-        _fail(op, "x", f"must be a float32 CPU tensor of 1 or more dims, not {x.dtype} "
-              f"{tuple(x.shape)} on {x.device}")  # fmt: skip
-    _tensor(op, "weight", weight, torch.float32, 1)
+    dtype = _act_dtype(op, "x", x)
+    if not x.is_cpu or x.dim() == 0:
+        _fail(op, "x", f"must be a CPU tensor of 1 or more dims, not {tuple(x.shape)} on "
+              f"{x.device}")  # fmt: skip
+    _tensor(op, "weight", weight, dtype, 1)
     _equal(op, "weight", "size", weight.shape[0], x.shape[-1])
     if not eps >= 0:
         _fail(op, "eps", f"{eps} is not ≥ 0")
     if residual is not None:
-        _tensor(op, "residual", residual, torch.float32, x.dim(), contiguous=False)
+        _tensor(op, "residual", residual, dtype, x.dim(), contiguous=False)
         if residual.shape != x.shape:
             _fail(op, "residual", f"{tuple(residual.shape)} is not x's {tuple(x.shape)}")
 
 
 def _check_cache(op: str, q: torch.Tensor, k_buf, v_buf, req_to_token) -> None:
     """q [rows, H, D]; keys [slots, Hk, D] and values [slots, Hk, Dv] with H % Hk == 0, heads
-    contiguous (a view of the keys' first columns is fine: MLA); req_to_token int64 [R, L]
-    with contiguous rows."""
-    _tensor(op, "q", q, torch.float32, 3)
-    _tensor(op, "k_buf", k_buf, torch.float32, 3, contiguous=False)
-    _tensor(op, "v_buf", v_buf, torch.float32, 3, contiguous=False)
+    contiguous (a view of the keys' first columns is fine: MLA), all float32 or all bfloat16;
+    req_to_token int64 [R, L] with contiguous rows."""
+    dtype = _act_dtype(op, "q", q)
+    _tensor(op, "q", q, dtype, 3)
+    _tensor(op, "k_buf", k_buf, dtype, 3, contiguous=False)
+    _tensor(op, "v_buf", v_buf, dtype, 3, contiguous=False)
     _tensor(op, "req_to_token", req_to_token, torch.int64, 2, contiguous=False)
     heads, dim = q.shape[1:]
     kv_heads, v_dim = v_buf.shape[1:]
@@ -180,10 +191,10 @@ def check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale: float) ->
 
 
 def check_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """x [T, H, rot] with its last dimension contiguous, rot even; positions int64 [T];
-    cos_sin [rows, rot]; both contiguous."""
+    """x [T, H, rot] float32 or bfloat16 with its last dimension contiguous, rot even;
+    positions int64 [T]; cos_sin [rows, rot] float32; both contiguous."""
     op = "rope"
-    _tensor(op, "x", x, torch.float32, 3, contiguous=False)
+    _tensor(op, "x", x, _act_dtype(op, "x", x), 3, contiguous=False)
     _tensor(op, "positions", positions, torch.int64, 1)
     _tensor(op, "cos_sin", cos_sin, torch.float32, 2)
     if x.stride(2) != 1:

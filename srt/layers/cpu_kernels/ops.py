@@ -193,9 +193,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _norm_into(x, residual, total, weight, eps, out) -> None:
     lead = _rows(x)
-    _lib().srt_rms_norm_f32(
-        lead.data_ptr(), lead.shape[0] * lead.shape[1], lead.shape[1], lead.stride(0),
-        lead.shape[2], None if residual is None else residual.data_ptr(),
+    _lib().srt_rms_norm(
+        checks.ACT_TYPES[x.dtype], lead.data_ptr(), lead.shape[0] * lead.shape[1],
+        lead.shape[1], lead.stride(0), lead.shape[2],
+        None if residual is None else residual.data_ptr(),
         None if total is None else total.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
 
@@ -236,9 +237,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF's RMSNorm over the last dimension of float32 ``x`` (``[..., dim]``): norm(x), or with
-    ``residual`` (norm(x + residual), x + residual). ``x`` may be a view whose rows of ``dim``
-    are not contiguous with each other (the heads of a split QKV output)."""
+    """HF's RMSNorm over the last dimension of ``x`` (``[..., dim]``, float32 or bfloat16, the
+    weight and residual of the same dtype): norm(x), or with ``residual`` (norm(x + residual),
+    x + residual), in float32 with each result rounded to the dtype where HF's rounds it.
+    ``x`` may be a view whose rows of ``dim`` are not contiguous with each other (the heads of a
+    split QKV output)."""
     if residual is None:
         return _rms_norm_op(x, weight, eps) if _observed() else _rms_norm(x, weight, eps)
     args = (x, residual, weight, eps)
@@ -276,9 +279,9 @@ def _decode_attention(
     checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
     out = _attention_out(q, v_buf)
     q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
-    status = _lib().srt_decode_attention_f32(
-        q_ptr, q.shape[0], *cache, req_pool_indices.data_ptr(), seq_lens.data_ptr(), scale,
-        out.data_ptr(),
+    status = _lib().srt_decode_attention(
+        checks.ACT_TYPES[q.dtype], q_ptr, q.shape[0], *cache, req_pool_indices.data_ptr(),
+        seq_lens.data_ptr(), scale, out.data_ptr(),
     )  # fmt: skip
     _status("decode_attention", status)
     return out
@@ -324,9 +327,9 @@ def _extend_attention(
     checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
     out = _attention_out(q, v_buf)
     q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
-    status = _lib().srt_extend_attention_f32(
-        q_ptr, q.shape[0], seqs.shape[1], *cache, *(seqs[i].data_ptr() for i in range(4)),
-        scale, out.data_ptr(),
+    status = _lib().srt_extend_attention(
+        checks.ACT_TYPES[q.dtype], q_ptr, q.shape[0], seqs.shape[1], *cache,
+        *(seqs[i].data_ptr() for i in range(4)), scale, out.data_ptr(),
     )  # fmt: skip
     _status("extend_attention", status)
     return out
@@ -366,8 +369,8 @@ def _rope(
     checks.check_rope(x, positions, cos_sin)
     tokens, heads, rot = x.shape
     out = torch.empty(tokens, heads, rot, dtype=x.dtype)
-    status = _lib().srt_rope_f32(
-        x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), rot,
+    status = _lib().srt_rope(
+        checks.ACT_TYPES[x.dtype], x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), rot,
         positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], int(neox), out.data_ptr(),
     )  # fmt: skip
     _status("rope", status)
@@ -385,10 +388,11 @@ _rope_op = _op("rope", _rope, _rope_fake)
 def rope(
     x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, neox: bool
 ) -> torch.Tensor:
-    """Rotary embedding of float32 ``x [T, H, rot]`` (a view whose last dimension is
-    contiguous is read where it lies) at ``positions [T]`` (int64), from ``cos_sin [rows, rot]``
-    (per position, the cosines of the rot/2 frequencies, then their sines): a new
-    ``[T, H, rot]``. Raises ``PositionOutsideTable`` when a position lies outside the table."""
+    """Rotary embedding of ``x [T, H, rot]`` (float32 or bfloat16, computed in float32; a view
+    whose last dimension is contiguous is read where it lies) at ``positions [T]`` (int64),
+    from ``cos_sin [rows, rot]`` (per position, the cosines of the rot/2 frequencies, then
+    their sines): a new ``[T, H, rot]``. Raises ``PositionOutsideTable`` when a position lies
+    outside the table."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     args = (x, positions, cos_sin, neox)

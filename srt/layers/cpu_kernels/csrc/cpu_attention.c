@@ -1,5 +1,5 @@
-/* Decode attention for CPU in float32, reading the paged KV cache where it lies
- * (srt_decode_attention_f32): one query row per sequence, its keys and values the cache slots
+/* Decode attention for CPU, reading the paged KV cache where it lies (srt_decode_attention),
+ * queries, cache and output in float32 or bf16 (`type`), every product and sum in float32: one query row per sequence, its keys and values the cache slots
  * listed in its row of the request-to-token table. The PyTorch path gathers every sequence's
  * slots into padded [B, L] copies, then runs SDPA over them; here each (sequence, block of
  * query heads sharing one KV head) is one task that reads its slots in place:
@@ -19,36 +19,40 @@
  * they were freed), where the hardware's own prefetch does not follow them: the loops ask for
  * the row AHEAD slots on, unless that slot follows the one before it (a prompt's run of
  * slots, which the hardware streams by itself). */
-static inline void prefetch_row(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
 
-/* a · b over n floats: VEC lanes (4 accumulators in turn), then the lanes and the tail. */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
+/* a · b over n values, b of `type`: VEC lanes (4 accumulators in turn), then the lanes and
+ * the tail. */
+static inline __attribute__((always_inline)) float dot(const float *a, int type, const void *b,
                                                        int64_t n) {
     vec acc[4] = {{0}, {0}, {0}, {0}};
     int64_t i = 0;
     for (; i + 4 * VEC <= n; i += 4 * VEC)
         for (int u = 0; u < 4; u++)
-            acc[u] += load_vec(a + i + u * VEC) * load_vec(b + i + u * VEC);
-    for (; i + VEC <= n; i += VEC) acc[0] += load_vec(a + i) * load_vec(b + i);
+            acc[u] += load_vec(a + i + u * VEC) * load_act(type, b, i + u * VEC);
+    for (; i + VEC <= n; i += VEC) acc[0] += load_vec(a + i) * load_act(type, b, i);
     float sum = sum_lanes((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (; i < n; i++) sum += a[i] * get_act(type, b, i);
     return sum;
 }
 
 /* out_h[0:w·VEC] = Σ_j p_h[j] · v_j[col:col + w·VEC] for the block's heads h < nh (p_h at
- * p + h·len, out_h at out + h·out_ld), w ≤ 4 vectors: each value row is read once for all the
- * heads, whose accumulators stay in registers across the keys. */
+ * p + h·len, out_h at out + h·out_ld), w ≤ 4 vectors, values of `type` (element v_stride·slot
+ * + col): each value row is read once for all the heads, whose accumulators stay in registers
+ * across the keys. */
 static inline __attribute__((always_inline)) void weighted_rows(
-    const float *p, int64_t len, int64_t nh, const float *v, const int64_t *slots,
+    const float *p, int64_t len, int64_t nh, int type, const void *v, const int64_t *slots,
     int64_t v_stride, int64_t col, int w, float *out, int64_t out_ld) {
     vec acc[HEAD_BLOCK][4], row[4];
+    int64_t size = type == T_F32 ? 4 : 2;
     memset(acc, 0, sizeof acc);
     for (int64_t j = 0; j < len; j++) {
         if (j + AHEAD < len && slots[j + AHEAD] != slots[j + AHEAD - 1] + 1)
-            prefetch_row(v + slots[j + AHEAD] * v_stride + col, w * VEC);
-        for (int u = 0; u < w; u++) row[u] = load_vec(v + slots[j] * v_stride + col + u * VEC);
+            prefetch_row((const char *)v + (slots[j + AHEAD] * v_stride + col) * size,
+                         w * VEC * size);
+        for (int u = 0; u < w; u++) row[u] = load_act(type, v, slots[j] * v_stride + col + u * VEC);
         for (int h = 0; h < HEAD_BLOCK; h++)
             if (h < nh)
                 for (int u = 0; u < w; u++) acc[h][u] += p[h * len + j] * row[u];
@@ -67,57 +71,71 @@ static float exp_shifted(float *s, int64_t len) {
 }
 
 struct decode_attention {
-    const float *q, *k, *v;
+    const void *q, *k, *v;
     int64_t heads, kv_heads, dim, v_dim, k_stride, v_stride;
     const int64_t *table, *rows, *lens;
     int64_t table_ld;
     float scale;
-    float *out;
+    void *out;
 };
 
-/* Heads [h0, h1) of sequence b, all on KV head kv; `s` holds (h1 - h0) · len floats. */
-static void attend(const struct decode_attention *a, int64_t b, int64_t h0, int64_t h1,
-                   int64_t kv, float *s) {
-    int64_t len = a->lens[b], nh = h1 - h0;
+/* Heads [h0, h1) of sequence b, all on KV head kv, over activations of `type`; `s` holds
+ * (h1 - h0) · len floats, `qf` and `of` the heads' queries and outputs in float32. */
+static inline __attribute__((always_inline)) void attend(const struct decode_attention *a,
+                                                         int type, int64_t b, int64_t h0,
+                                                         int64_t h1, int64_t kv, float *s,
+                                                         float *qf, float *of) {
+    int64_t len = a->lens[b], nh = h1 - h0, size = type == T_F32 ? 4 : 2;
     const int64_t *slots = a->table + a->rows[b] * a->table_ld;
-    const float *q = a->q + (b * a->heads + h0) * a->dim;
+    widen_acts(type, (const char *)a->q + (b * a->heads + h0) * a->dim * size, nh * a->dim, qf);
     for (int64_t j = 0; j < len; j++) {
         if (j + AHEAD < len && slots[j + AHEAD] != slots[j + AHEAD - 1] + 1)
-            prefetch_row(a->k + slots[j + AHEAD] * a->k_stride + kv * a->dim, a->dim);
-        const float *key = a->k + slots[j] * a->k_stride + kv * a->dim;
+            prefetch_row((const char *)a->k + (slots[j + AHEAD] * a->k_stride + kv * a->dim) * size,
+                         a->dim * size);
+        const char *key = (const char *)a->k + (slots[j] * a->k_stride + kv * a->dim) * size;
         for (int64_t h = 0; h < nh; h++)
-            s[h * len + j] = a->scale * dot(q + h * a->dim, key, a->dim);
+            s[h * len + j] = a->scale * dot(qf + h * a->dim, type, key, a->dim);
     }
-    const float *v = a->v + kv * a->v_dim;
-    float *out = a->out + (b * a->heads + h0) * a->v_dim, inv[HEAD_BLOCK];
+    const char *v = (const char *)a->v + kv * a->v_dim * size;
+    float inv[HEAD_BLOCK];
     for (int64_t h = 0; h < nh; h++) inv[h] = 1.0f / exp_shifted(s + h * len, len);
     int64_t c = 0;
     for (; c + 4 * VEC <= a->v_dim; c += 4 * VEC)
-        weighted_rows(s, len, nh, v, slots, a->v_stride, c, 4, out, a->v_dim);
+        weighted_rows(s, len, nh, type, v, slots, a->v_stride, c, 4, of, a->v_dim);
     for (; c + VEC <= a->v_dim; c += VEC)
-        weighted_rows(s, len, nh, v, slots, a->v_stride, c, 1, out, a->v_dim);
+        weighted_rows(s, len, nh, type, v, slots, a->v_stride, c, 1, of, a->v_dim);
     for (int64_t h = 0; h < nh; h++) {
-        float *o = out + h * a->v_dim;
+        float *o = of + h * a->v_dim;
         for (int64_t t = c; t < a->v_dim; t++) { /* columns past the last whole vector */
             o[t] = 0.0f;
             for (int64_t j = 0; j < len; j++)
-                o[t] += s[h * len + j] * v[slots[j] * a->v_stride + t];
+                o[t] += s[h * len + j] * get_act(type, v, slots[j] * a->v_stride + t);
         }
         for (int64_t t = 0; t < a->v_dim; t++) o[t] *= inv[h];
     }
+    narrow_acts(type, of, nh * a->v_dim, (char *)a->out + (b * a->heads + h0) * a->v_dim * size);
 }
 
-/* q [B, H, dim]; key of slot s, KV head h at k + s·k_stride + h·dim, its value at
- * v + s·v_stride + h·v_dim (MLA: v = k, the latent's first v_dim columns); sequence b's slots
- * table[rows[b] · table_ld + j] for j < lens[b] (≥ 1); out [B, H, v_dim].
+static void attend_f32(const struct decode_attention *a, int64_t b, int64_t h0, int64_t h1,
+                       int64_t kv, float *s, float *qf, float *of) {
+    attend(a, T_F32, b, h0, h1, kv, s, qf, of);
+}
+
+static void attend_bf16(const struct decode_attention *a, int64_t b, int64_t h0, int64_t h1,
+                        int64_t kv, float *s, float *qf, float *of) {
+    attend(a, T_BF16, b, h0, h1, kv, s, qf, of);
+}
+
+/* q [B, H, dim]; key of slot s, KV head h at element s·k_stride + h·dim of k, its value at
+ * s·v_stride + h·v_dim of v (MLA: v = k, the latent's first v_dim columns); sequence b's slots
+ * table[rows[b] · table_ld + j] for j < lens[b] (≥ 1); out [B, H, v_dim]; all of `type`.
  * Returns 0, SRT_OUT_OF_MEMORY, or the code of the first index check that fails (nothing
  * written then): rows inside the table, lengths in [1, table_cols], slots below num_slots. */
-int srt_decode_attention_f32(const float *q, int64_t batch, int64_t heads, int64_t dim,
-                             const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                             int64_t v_dim, int64_t kv_heads, const int64_t *table,
-                             int64_t table_ld, int64_t table_rows, int64_t table_cols,
-                             int64_t num_slots, const int64_t *rows, const int64_t *lens,
-                             float scale, float *out) {
+int srt_decode_attention(int type, const void *q, int64_t batch, int64_t heads, int64_t dim,
+                         const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                         int64_t v_dim, int64_t kv_heads, const int64_t *table, int64_t table_ld,
+                         int64_t table_rows, int64_t table_cols, int64_t num_slots,
+                         const int64_t *rows, const int64_t *lens, float scale, void *out) {
     struct slot_table slot_table = {table, table_ld, table_rows, table_cols, num_slots};
     struct decode_attention a = {q, k, v, heads, kv_heads, dim, v_dim, k_stride, v_stride,
                                  table, rows, lens, table_ld, scale, out};
@@ -131,44 +149,56 @@ int srt_decode_attention_f32(const float *q, int64_t batch, int64_t heads, int64
     if (tasks == 0) return 0;
 #pragma omp parallel reduction(+ : failed) if (tasks > 1)
     {
-        float *s = malloc(HEAD_BLOCK * max_len * sizeof *s);
+        float *s = malloc(HEAD_BLOCK * (max_len + dim + v_dim) * sizeof *s);
+        float *qf = s ? s + HEAD_BLOCK * max_len : NULL, *of = qf ? qf + HEAD_BLOCK * dim : NULL;
         failed += s == NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t b = t / (kv_heads * blocks), kv = t / blocks % kv_heads;
             int64_t h0 = kv * group + t % blocks * HEAD_BLOCK;
             int64_t h1 = h0 + HEAD_BLOCK < (kv + 1) * group ? h0 + HEAD_BLOCK : (kv + 1) * group;
-            if (s) attend(&a, b, h0, h1, kv, s);
+            if (!s) continue;
+            if (type == T_F32) attend_f32(&a, b, h0, h1, kv, s, qf, of);
+            else attend_bf16(&a, b, h0, h1, kv, s, qf, of);
         }
         free(s);
     }
     return failed ? SRT_OUT_OF_MEMORY : 0;
 }
 
-/* Rotary position embedding of x [T, H, rot] (token t's head h at x + t·ld_token + h·ld_head)
- * into out [T, H, rot], contiguous. cos_sin [rows, rot] holds, for each position, the cosines
+/* Rotary position embedding of x [T, H, rot] (token t's head h at element t·ld_token +
+ * h·ld_head) into out [T, H, rot], contiguous, both of `type` (each product in float32, each
+ * result rounded once). cos_sin [rows, rot] (float32) holds, for each position, the cosines
  * of the rot/2 frequencies and then their sines. NeoX pairs columns (i, i + rot/2), GPT-J
  * (2i, 2i + 1). Returns 0, or SRT_BAD_POSITION (nothing written) when a position is outside
  * the table. */
-int srt_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t ld_token,
-                 int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
-                 int64_t rows, int neox, float *out) {
-    int64_t half = rot / 2;
+static inline __attribute__((always_inline)) void rotate(int type, const void *x, int64_t t,
+                                                         int64_t heads, int64_t ld_token,
+                                                         int64_t ld_head, int64_t rot,
+                                                         const float *cos, int neox,
+                                                         void *out) {
+    int64_t half = rot / 2, a = neox ? half : 1, step = neox ? 1 : 2; /* pair i: (i·step, +a) */
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t in = t * ld_token + h * ld_head, o = (t * heads + h) * rot;
+        const float *sin = cos + half;
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = get_act(type, x, in + i * step), x2 = get_act(type, x, in + i * step + a);
+            put_act(type, out, o + i * step, x1 * cos[i] - x2 * sin[i]);
+            put_act(type, out, o + i * step + a, x2 * cos[i] + x1 * sin[i]);
+        }
+    }
+}
+
+int srt_rope(int type, const void *x, int64_t tokens, int64_t heads, int64_t ld_token,
+             int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
+             int64_t rows, int neox, void *out) {
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= rows) return SRT_BAD_POSITION;
 #pragma omp parallel for schedule(static) if (tokens * heads >= 4096)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * rot, *sin = cos + half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *in = x + t * ld_token + h * ld_head;
-            float *o = out + (t * heads + h) * rot;
-            int64_t a = neox ? half : 1, step = neox ? 1 : 2; /* pair i: (i·step, i·step + a) */
-            for (int64_t i = 0; i < half; i++) {
-                float x1 = in[i * step], x2 = in[i * step + a];
-                o[i * step] = x1 * cos[i] - x2 * sin[i];
-                o[i * step + a] = x2 * cos[i] + x1 * sin[i];
-            }
-        }
+        const float *cos = cos_sin + positions[t] * rot;
+        if (type == T_F32) rotate(T_F32, x, t, heads, ld_token, ld_head, rot, cos, neox, out);
+        else rotate(T_BF16, x, t, heads, ld_token, ld_head, rot, cos, neox, out);
     }
     return 0;
 }

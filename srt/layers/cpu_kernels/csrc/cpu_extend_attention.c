@@ -1,5 +1,6 @@
-/* Extend (prefill) attention for CPU in float32, reading the paged KV cache where it lies
- * (srt_extend_attention_f32). Sequence b brings extend[b] new query tokens (rows start[b]... of
+/* Extend (prefill) attention for CPU, reading the paged KV cache where it lies
+ * (srt_extend_attention), queries, cache and output in float32 or bf16 (`type`: widened into
+ * the task's float32 tile as they are read, the output rounded once). Sequence b brings extend[b] new query tokens (rows start[b]... of
  * q) after prefix[b] cached ones; query i of it sits at position prefix[b] + i and attends the
  * keys at positions 0..prefix[b] + i, the cache slots of its row of the request-to-token table
  * (the new tokens' keys are already written there). The PyTorch path gathers every sequence's
@@ -30,12 +31,14 @@
 #endif
 
 struct extend_attention {
-    const float *q, *k, *v;
+    const void *q, *k, *v;
     int64_t heads, kv_heads, dim, v_dim, k_stride, v_stride;
     const int64_t *table, *rows, *prefix, *extend, *start;
     int64_t table_ld;
     float scale;
-    float *out;
+    void *out;
+    int type;
+    int64_t size; /* bytes of an element of `type` */
 };
 
 /* One thread's buffers, sized for a task of TOKEN_BLOCK tokens × `group` heads. */
@@ -155,12 +158,16 @@ static void softmax_rows(struct tile *t, int64_t r0, int64_t n, const int64_t *v
 static void load_keys(const struct extend_attention *a, const int64_t *slots, int64_t j0,
                       int64_t nk, int64_t kv, struct tile *t) {
     for (int64_t c = 0; c < KEY_BLOCK; c++) {
-        const float *key = c < nk ? a->k + slots[j0 + c] * a->k_stride + kv * a->dim : NULL;
+        if (c >= nk) {
+            for (int64_t d = 0; d < a->dim; d++) t->keys[d * KEY_BLOCK + c] = 0.0f;
+            continue;
+        }
+        int64_t key = slots[j0 + c] * a->k_stride + kv * a->dim;
         for (int64_t d = 0; d < a->dim; d++)
-            t->keys[d * KEY_BLOCK + c] = key ? a->scale * key[d] : 0.0f;
-        if (c < nk)
-            memcpy(t->values + c * a->v_dim, a->v + slots[j0 + c] * a->v_stride + kv * a->v_dim,
-                   a->v_dim * sizeof(float));
+            t->keys[d * KEY_BLOCK + c] = a->scale * get_act(a->type, a->k, key + d);
+        widen_acts(a->type,
+                   (const char *)a->v + (slots[j0 + c] * a->v_stride + kv * a->v_dim) * a->size,
+                   a->v_dim, t->values + c * a->v_dim);
     }
 }
 
@@ -194,9 +201,8 @@ static void attend_task(const struct extend_attention *a, int64_t b, int64_t i0,
     int64_t group = a->heads / a->kv_heads, rows = (i1 - i0) * group;
     const int64_t *slots = a->table + a->rows[b] * a->table_ld;
     for (int64_t r = 0; r < rows; r++) {
-        const float *q = a->q + ((a->start[b] + i0 + r / group) * a->heads + kv * group +
-                                 r % group) * a->dim;
-        memcpy(t->q + r * a->dim, q, a->dim * sizeof(float));
+        int64_t q = ((a->start[b] + i0 + r / group) * a->heads + kv * group + r % group) * a->dim;
+        widen_acts(a->type, (const char *)a->q + q * a->size, a->dim, t->q + r * a->dim);
         t->m[r] = -INFINITY, t->l[r] = 0.0f;
     }
     memset(t->o, 0, rows * a->v_dim * sizeof(float));
@@ -207,29 +213,32 @@ static void attend_task(const struct extend_attention *a, int64_t b, int64_t i0,
         attend_block(a, t, rows, group, pos0, j0, nk);
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *out = a->out + ((a->start[b] + i0 + r / group) * a->heads + kv * group +
-                               r % group) * a->v_dim;
-        float inv = 1.0f / t->l[r];
-        for (int64_t c = 0; c < a->v_dim; c++) out[c] = t->o[r * a->v_dim + c] * inv;
+        int64_t out = ((a->start[b] + i0 + r / group) * a->heads + kv * group + r % group) *
+                      a->v_dim;
+        float inv = 1.0f / t->l[r], *o = t->o + r * a->v_dim;
+        for (int64_t c = 0; c < a->v_dim; c++) o[c] *= inv;
+        narrow_acts(a->type, o, a->v_dim, (char *)a->out + out * a->size);
     }
 }
 
-/* q [T, H, dim]; key of slot s, KV head h at k + s·k_stride + h·dim, its value at
- * v + s·v_stride + h·v_dim; sequence b's queries are rows start[b] .. start[b] + extend[b] of q,
- * its slots table[rows[b] · table_ld + j] for j < prefix[b] + extend[b]; out [T, H, v_dim].
+/* q [T, H, dim]; key of slot s, KV head h at element s·k_stride + h·dim of k, its value at
+ * s·v_stride + h·v_dim of v; sequence b's queries are rows start[b] .. start[b] + extend[b] of
+ * q, its slots table[rows[b] · table_ld + j] for j < prefix[b] + extend[b]; out [T, H, v_dim];
+ * all of `type`.
  * Returns 0, SRT_OUT_OF_MEMORY, or the code of the first index check that fails (nothing
  * written then): query rows inside q, rows inside the table, prefix + extend in
  * [0, table_cols], slots below num_slots. */
-int srt_extend_attention_f32(const float *q, int64_t tokens, int64_t batch, int64_t heads,
-                             int64_t dim, const float *k, int64_t k_stride, const float *v,
-                             int64_t v_stride, int64_t v_dim, int64_t kv_heads,
-                             const int64_t *table, int64_t table_ld, int64_t table_rows,
-                             int64_t table_cols, int64_t num_slots, const int64_t *rows,
-                             const int64_t *prefix, const int64_t *extend, const int64_t *start,
-                             float scale, float *out) {
+int srt_extend_attention(int type, const void *q, int64_t tokens, int64_t batch, int64_t heads,
+                         int64_t dim, const void *k, int64_t k_stride, const void *v,
+                         int64_t v_stride, int64_t v_dim, int64_t kv_heads, const int64_t *table,
+                         int64_t table_ld, int64_t table_rows, int64_t table_cols,
+                         int64_t num_slots, const int64_t *rows, const int64_t *prefix,
+                         const int64_t *extend, const int64_t *start, float scale, void *out) {
     struct slot_table slot_table = {table, table_ld, table_rows, table_cols, num_slots};
-    struct extend_attention a = {q, k, v, heads, kv_heads, dim, v_dim, k_stride, v_stride,
-                                 table, rows, prefix, extend, start, table_ld, scale, out};
+    struct extend_attention a = {q,      k,      v,      heads,    kv_heads, dim,
+                                 v_dim,  k_stride, v_stride, table, rows,  prefix,
+                                 extend, start,  table_ld, scale, out,   type,
+                                 type == T_F32 ? 4 : 2};
     int64_t tasks = 0, failed = 0;
     for (int64_t b = 0; b < batch; b++) {
         if (extend[b] < 0 || start[b] < 0 || start[b] > tokens - extend[b]) return SRT_BAD_QUERY;

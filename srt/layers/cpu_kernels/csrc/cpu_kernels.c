@@ -1,9 +1,9 @@
 /* GEMMs for CPU over weights packed in panels of PANEL output columns laid out [K][PANEL]
  * (``pack_panels`` in ops.py), run by the threads of the OpenMP runtime torch itself uses: a
  * linear layer (srt_panel_linear) and the routed experts of one MoE layer in one call
- * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm_f32).
+ * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm, float32 or bf16 activations).
  *
- * Activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3 with a
+ * The GEMMs' activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3 with a
  * float32 scale per row and group of K rows of a panel, ``srt.layers.quantization.fp8``); a
  * bf16 or fp8 weight is turned into float32 in registers as it is read (load_w), so the
  * product is the float32 GEMM over the dequantized weight, at a half or a quarter of the bytes.
@@ -40,30 +40,8 @@ int srt_kernel_is_fast(void) {
 #endif
 }
 
-/* The weight formats (WEIGHT_TYPES in ops.py). */
-enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
-
-typedef uint32_t uvec __attribute__((vector_size(VEC * sizeof(uint32_t))));
-typedef uint16_t bf16vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
 typedef int8_t fp8vec __attribute__((vector_size(VEC)));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
-
-/* VEC weights from element `idx` of a panel of `type`, as float32. bf16 is float32's upper half.
- * An e4m3 byte's exponent and mantissa shifted into float32's fields make a float32 whose value
- * is the e4m3 value · 2^-120 (subnormals included: they become float32 subnormals, exact);
- * `s` is the group's scale premultiplied by 2^120 (``pack_scales``), so one rounded product
- * gives float(q) · scale, as dequantizing the weight first would. */
-static inline uvec widen_bf16(const uint16_t *p) {
-#if defined(__AVX512F__)
-    return (uvec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-#elif defined(__AVX2__)
-    return (uvec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-    bf16vec h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, uvec);
-#endif
-}
 
 /* Bytes sign-extended to 32 bits: the sign lands in bit 31 once shifted left by 20. */
 static inline uvec widen_fp8(const int8_t *p) {
@@ -78,15 +56,16 @@ static inline uvec widen_fp8(const int8_t *p) {
 #endif
 }
 
+/* VEC weights from element `idx` of a panel of `type`, as float32 (bf16 widens as an
+ * activation does, ``load_act``). An e4m3 byte's exponent and mantissa shifted into float32's
+ * fields make a float32 whose value is the e4m3 value · 2^-120 (subnormals included: they
+ * become float32 subnormals, exact); `s` is the group's scale premultiplied by 2^120
+ * (``pack_scales``), so one rounded product gives float(q) · scale, as dequantizing the weight
+ * first would. */
 static inline __attribute__((always_inline)) vec load_w(int type, const void *w, int64_t idx,
                                                         vec s) {
     vec f;
-    if (type == W_F32) return load_vec((const float *)w + idx);
-    if (type == W_BF16) {
-        uvec bits = widen_bf16((const uint16_t *)w + idx) << 16;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
+    if (type != T_FP8) return load_act(type, w, idx);
     uvec bits = (widen_fp8((const int8_t *)w + idx) << 20) & 0x87f00000u; /* sign, exp, man */
     memcpy(&f, &bits, sizeof f);
     return f * s;
@@ -134,7 +113,7 @@ static inline __attribute__((always_inline)) void group_scales(int type, struct 
                                                                int64_t g, int nv, vec *s) {
     for (int q = 0; q < nv; q++) {
         vec one = {0};
-        s[q] = type == W_FP8 ? load_vec(p.scale + g * PANEL + q * VEC) : one + 1.0f;
+        s[q] = type == T_FP8 ? load_vec(p.scale + g * PANEL + q * VEC) : one + 1.0f;
     }
 }
 
@@ -196,17 +175,17 @@ static inline __attribute__((always_inline)) void panel_rows(const struct rows *
         default: panel_rows(x, n, p, k_dim, y, ldy, 4, type); break;                            \
         }                                                                                       \
     }
-PANEL_GEMM(W_F32)
-PANEL_GEMM(W_BF16)
-PANEL_GEMM(W_FP8)
+PANEL_GEMM(T_F32)
+PANEL_GEMM(T_BF16)
+PANEL_GEMM(T_FP8)
 
 /* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (nv = 4: the whole
  * panel; fewer: a narrow last panel, whose vectors past nv are not computed). */
 static void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
                        int64_t ldy, int nv, int type) {
-    if (type == W_BF16) panel_gemm_W_BF16(x, n, p, k_dim, y, ldy, nv);
-    else if (type == W_FP8) panel_gemm_W_FP8(x, n, p, k_dim, y, ldy, nv);
-    else panel_gemm_W_F32(x, n, p, k_dim, y, ldy, nv);
+    if (type == T_BF16) panel_gemm_T_BF16(x, n, p, k_dim, y, ldy, nv);
+    else if (type == T_FP8) panel_gemm_T_FP8(x, n, p, k_dim, y, ldy, nv);
+    else panel_gemm_T_F32(x, n, p, k_dim, y, ldy, nv);
 }
 
 /* act[r, 0:PANEL] = silu(gate) · up for rows r < n of x, gate and up the products with two
@@ -384,31 +363,52 @@ void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const 
     }
 }
 
+/* One row of RMSNorm in activations of `type`: h = x (+ residual, rounded to the type and
+ * written to sum_out) widened into `h`, then out = weight · (h · scale) with the normalized
+ * value rounded to the type before the product, as HF's norm in bf16 rounds it. */
+static inline __attribute__((always_inline)) void norm_row(int type, const void *x,
+                                                           const void *residual, void *sum_out,
+                                                           const void *weight, float eps,
+                                                           int64_t dim, float *h, void *out) {
+    for (int64_t j = 0; j < dim; j++) {
+        h[j] = get_act(type, x, j);
+        if (residual) {
+            put_act(type, sum_out, j, h[j] + get_act(type, residual, j));
+            h[j] = get_act(type, sum_out, j);
+        }
+    }
+    vec acc = {0};
+    int64_t j = 0;
+    for (; j + VEC <= dim; j += VEC) {
+        vec v = load_vec(h + j);
+        acc += v * v;
+    }
+    float sum = sum_lanes(acc);
+    for (; j < dim; j++) sum += h[j] * h[j];
+    float scale = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (j = 0; j < dim; j++) {
+        float normed = h[j] * scale;
+        if (type == T_BF16) normed = to_bf16(normed);
+        put_act(type, out, j, get_act(type, weight, j) * normed);
+    }
+}
+
 /* RMSNorm, HF's: out = weight · h / sqrt(mean(h²) + eps) per row of `dim`, h = x (+ residual,
- * then also written to `sum_out`). Row i of x starts at (i / inner) · ld + (i % inner) · dim,
- * so the heads of a split QKV row are read where they lie; out, residual and sum_out are
- * contiguous. The sum of squares runs in VEC lanes summed in a fixed order. */
-void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
-                      const float *residual, float *sum_out, const float *weight, float eps,
-                      float *out) {
+ * then also written to `sum_out`), in float32 over activations of `type` (weight too). Row i
+ * of x starts at (i / inner) · ld + (i % inner) · dim elements, so the heads of a split QKV row
+ * are read where they lie; out, residual and sum_out are contiguous. The sum of squares runs
+ * in VEC lanes summed in a fixed order. */
+void srt_rms_norm(int type, const void *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
+                  const void *residual, void *sum_out, const void *weight, float eps, void *out) {
+    int64_t size = type == T_F32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
     for (int64_t i = 0; i < rows; i++) {
-        const float *h = x + (i / inner) * ld + (i % inner) * dim;
-        if (residual) {
-            float *s = sum_out + i * dim;
-            for (int64_t j = 0; j < dim; j++) s[j] = h[j] + residual[i * dim + j];
-            h = s;
-        }
-        vec acc = {0};
-        int64_t j = 0;
-        for (; j + VEC <= dim; j += VEC) {
-            vec v = load_vec(h + j);
-            acc += v * v;
-        }
-        float sum = sum_lanes(acc);
-        for (; j < dim; j++) sum += h[j] * h[j];
-        float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-        float *o = out + i * dim;
-        for (j = 0; j < dim; j++) o[j] = weight[j] * (h[j] * scale);
+        float h[dim];
+        const char *row = (const char *)x + ((i / inner) * ld + (i % inner) * dim) * size;
+        const char *res = residual ? (const char *)residual + i * dim * size : NULL;
+        char *sum = sum_out ? (char *)sum_out + i * dim * size : NULL;
+        char *o = (char *)out + i * dim * size;
+        if (type == T_F32) norm_row(T_F32, row, res, sum, weight, eps, dim, h, o);
+        else norm_row(T_BF16, row, res, sum, weight, eps, dim, h, o);
     }
 }

@@ -16,7 +16,10 @@
 #endif
 
 /* The exported functions. Each returns 0, or one of the codes below; none writes its output
- * before its index checks pass. Where the arguments are described: in the C file of each. */
+ * before its index checks pass. Where the arguments are described: in the C file of each.
+ * `type` is a tensor format: the activation kernels (norm, rope, attention) take float32 or
+ * bfloat16 activations and KV cache (ACT_TYPES in checks.py), the GEMMs float32 activations
+ * over weights of any of the three (WEIGHT_TYPES). */
 int64_t srt_panel_width(void);
 int srt_kernel_is_fast(void);
 void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const void *panels,
@@ -26,25 +29,22 @@ int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const 
                       int64_t inter, int type, const void *w13, const float *scale13,
                       int64_t group13, const void *w2, const float *scale2, int64_t group2,
                       float *out, float *work);
-void srt_rms_norm_f32(const float *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
-                      const float *residual, float *sum_out, const float *weight, float eps,
-                      float *out);
-int srt_decode_attention_f32(const float *q, int64_t batch, int64_t heads, int64_t dim,
-                             const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                             int64_t v_dim, int64_t kv_heads, const int64_t *table,
-                             int64_t table_ld, int64_t table_rows, int64_t table_cols,
-                             int64_t num_slots, const int64_t *rows, const int64_t *lens,
-                             float scale, float *out);
-int srt_extend_attention_f32(const float *q, int64_t tokens, int64_t batch, int64_t heads,
-                             int64_t dim, const float *k, int64_t k_stride, const float *v,
-                             int64_t v_stride, int64_t v_dim, int64_t kv_heads,
-                             const int64_t *table, int64_t table_ld, int64_t table_rows,
-                             int64_t table_cols, int64_t num_slots, const int64_t *rows,
-                             const int64_t *prefix, const int64_t *extend, const int64_t *start,
-                             float scale, float *out);
-int srt_rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t ld_token,
-                 int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
-                 int64_t rows, int neox, float *out);
+void srt_rms_norm(int type, const void *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
+                  const void *residual, void *sum_out, const void *weight, float eps, void *out);
+int srt_decode_attention(int type, const void *q, int64_t batch, int64_t heads, int64_t dim,
+                         const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                         int64_t v_dim, int64_t kv_heads, const int64_t *table, int64_t table_ld,
+                         int64_t table_rows, int64_t table_cols, int64_t num_slots,
+                         const int64_t *rows, const int64_t *lens, float scale, void *out);
+int srt_extend_attention(int type, const void *q, int64_t tokens, int64_t batch, int64_t heads,
+                         int64_t dim, const void *k, int64_t k_stride, const void *v,
+                         int64_t v_stride, int64_t v_dim, int64_t kv_heads, const int64_t *table,
+                         int64_t table_ld, int64_t table_rows, int64_t table_cols,
+                         int64_t num_slots, const int64_t *rows, const int64_t *prefix,
+                         const int64_t *extend, const int64_t *start, float scale, void *out);
+int srt_rope(int type, const void *x, int64_t tokens, int64_t heads, int64_t ld_token,
+             int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
+             int64_t rows, int neox, void *out);
 
 /* The exported functions' error codes (their Python callers raise on them). */
 #define SRT_OUT_OF_MEMORY (-1) /* a buffer of the kernel's own could not be allocated */
@@ -99,6 +99,78 @@ static inline vec fma_vec(vec acc, float s, vec w) {
 #else
     return acc + s * w;
 #endif
+}
+
+/* The tensor formats (ACT_TYPES and WEIGHT_TYPES in checks.py). */
+enum { T_F32 = 0, T_BF16 = 1, T_FP8 = 2 };
+
+typedef uint32_t uvec __attribute__((vector_size(VEC * sizeof(uint32_t))));
+typedef uint16_t bf16vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
+
+/* VEC bf16 values from p, each in the low half of a 32-bit lane. */
+static inline uvec widen_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (uvec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (uvec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    bf16vec h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, uvec);
+#endif
+}
+
+/* Activations of `type` (T_F32 or T_BF16) as float32: bf16 is float32's upper half, so it
+ * widens exactly; a float32 is narrowed to bf16 rounding to nearest, ties to even (NaN kept
+ * quiet), as torch's conversion rounds. Called with a constant type in the inlined loops. */
+static inline __attribute__((always_inline)) float get_act(int type, const void *p, int64_t i) {
+    if (type == T_F32) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) void put_act(int type, void *p, int64_t i,
+                                                          float v) {
+    if (type == T_F32) {
+        ((float *)p)[i] = v;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u; /* NaN: stays a NaN */
+    else bits += 0x7fffu + ((bits >> 16) & 1u);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+/* VEC activations from element i of p, as float32. */
+static inline __attribute__((always_inline)) vec load_act(int type, const void *p, int64_t i) {
+    if (type == T_F32) return load_vec((const float *)p + i);
+    uvec bits = widen_bf16((const uint16_t *)p + i) << 16;
+    vec f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* v rounded to bf16's precision (``put_act``), as a float32. */
+static inline float to_bf16(float v) {
+    uint16_t b;
+    put_act(T_BF16, &b, 0, v);
+    return get_act(T_BF16, &b, 0);
+}
+
+/* n activations from p into float32 dst, and n float32 from src out as activations. */
+static inline void widen_acts(int type, const void *p, int64_t n, float *dst) {
+    if (type == T_F32) memcpy(dst, p, n * sizeof *dst);
+    else
+        for (int64_t i = 0; i < n; i++) dst[i] = get_act(T_BF16, p, i);
+}
+
+static inline void narrow_acts(int type, const float *src, int64_t n, void *p) {
+    if (type == T_F32) memcpy(p, src, n * sizeof *src);
+    else
+        for (int64_t i = 0; i < n; i++) put_act(T_BF16, p, i, src[i]);
 }
 
 /* The sum of a vector's lanes, in a fixed order: halves added pairwise (shuffles on x86). */
