@@ -3,10 +3,11 @@
  * linear layer (srt_panel_linear) and the routed experts of one MoE layer in one call
  * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm, float32 or bf16 activations).
  *
- * The GEMMs' activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3 with a
- * float32 scale per row and group of K rows of a panel, ``srt.layers.quantization.fp8``); a
- * bf16 or fp8 weight is turned into float32 in registers as it is read (load_w), so the
- * product is the float32 GEMM over the dequantized weight, at a half or a quarter of the bytes.
+ * The GEMMs' activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3
+ * with a float32 scale per row and group of K rows of a panel, ``srt.layers.quantization.fp8``);
+ * a bf16 or fp8 weight is turned into float32 in registers as it is read (load_w): bf16 gives
+ * the float32 GEMM over the widened weight bit for bit, fp8 sums each group's raw values and
+ * scales the group's sum (block_gemm), at a half or a quarter of float32's bytes.
  *
  * Decode gives a linear layer one row per sequence and each expert a few rows, so both are
  * bound by reading the weights: a panel is streamed once for all rows. The experts' call
@@ -17,8 +18,8 @@
  *      a block of rows at a time and neither product is written out whole;
  *   3. down = act · W2ᵀ, panels shared out as in 2;
  *   4. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
- * Every output element is a sequential sum over k whatever the number of rows, so a token's
- * result does not depend on the batch it came in (split and unsplit batches agree). */
+ * Every output element is the same sequence of sums over k whatever the number of rows, so a
+ * token's result does not depend on the batch it came in (split and unsplit batches agree). */
 
 #include "cpu_kernels.h"
 
@@ -58,17 +59,15 @@ static inline uvec widen_fp8(const int8_t *p) {
 
 /* VEC weights from element `idx` of a panel of `type`, as float32 (bf16 widens as an
  * activation does, ``load_act``). An e4m3 byte's exponent and mantissa shifted into float32's
- * fields make a float32 whose value is the e4m3 value · 2^-120 (subnormals included: they
- * become float32 subnormals, exact); `s` is the group's scale premultiplied by 2^120
- * (``pack_scales``), so one rounded product gives float(q) · scale, as dequantizing the weight
- * first would. */
-static inline __attribute__((always_inline)) vec load_w(int type, const void *w, int64_t idx,
-                                                        vec s) {
+ * fields make a float32 whose value is the e4m3 value · 2^-120, exactly (subnormals included:
+ * they become float32 subnormals); block_gemm multiplies a group's sums by its scale · 2^120
+ * (``pack_scales``). */
+static inline __attribute__((always_inline)) vec load_w(int type, const void *w, int64_t idx) {
     vec f;
     if (type != T_FP8) return load_act(type, w, idx);
     uvec bits = (widen_fp8((const int8_t *)w + idx) << 20) & 0x87f00000u; /* sign, exp, man */
     memcpy(&f, &bits, sizeof f);
-    return f * s;
+    return f;
 }
 
 /* A packed weight: panels [ceil(N/PANEL)][K][PANEL] of `type`; for fp8, `scale` holds per panel
@@ -108,45 +107,54 @@ static inline const float *row_at(const struct rows *x, int64_t i) {
     return x->base + (x->order ? x->order[i] / x->div : i) * x->ld;
 }
 
-/* The scales of the first nv vectors of a panel's group g (ones but for fp8). */
-static inline __attribute__((always_inline)) void group_scales(int type, struct panel p,
-                                                               int64_t g, int nv, vec *s) {
-    for (int q = 0; q < nv; q++) {
-        vec one = {0};
-        s[q] = type == T_FP8 ? load_vec(p.scale + g * PANEL + q * VEC) : one + 1.0f;
+/* sums[i, 0:nv·VEC] += Σ_{k0 ≤ k < k1} x_i[k] · panel[k, 0:nv·VEC] for rows x_i = in[i],
+ * i < m ≤ ROWS, nv ≤ 4 vectors of the panel: the sums stay in registers when m, nv and type
+ * are constants (the inlined copies). `hold` keeps the panel's row in registers too (full
+ * blocks, compute-bound): FMAs that each load it again are load-bound. Partial blocks (decode:
+ * a few rows per expert) stream the panel from memory, and there the FMAs' own loads are
+ * faster. Either way every element is the same sum in the same order. */
+static inline __attribute__((always_inline)) void add_products(const float *const *in,
+                                                               int64_t m, struct panel p,
+                                                               int64_t k0, int64_t k1,
+                                                               int hold, int nv, int type,
+                                                               vec sums[ROWS][4]) {
+    for (int64_t k = k0; k < k1; k++) {
+        vec w[4];
+        for (int q = 0; q < nv; q++) {
+            w[q] = load_w(type, p.w, k * PANEL + q * VEC);
+#if defined(__AVX__) /* x86, one register per vector */
+            if (hold) __asm__("" : "+v"(w[q]));
+#endif
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float xi = in[i][k];
+            for (int q = 0; q < nv; q++) sums[i][q] = fma_vec(sums[i][q], xi, w[q]);
+        }
     }
 }
 
-/* y[i, 0:nv·VEC] = Σ_k x_i[k] · panel[k, 0:nv·VEC] for rows x_i = row_at(x, r + i), i < m ≤
- * ROWS, nv ≤ 4 vectors of the panel: the accumulators stay in registers when m, nv and type are
- * constants (the inlined copies). `hold` keeps the panel's row in registers too (full blocks,
- * compute-bound): FMAs that each load it again are load-bound. Partial blocks (decode: a few
- * rows per expert) stream the panel from memory, and there the FMAs' own loads are faster.
- * Either way every element is the same sum in the same order. */
+/* y[i, 0:nv·VEC] = x_i · panel[:, 0:nv·VEC] for rows x_i = row_at(x, r + i), i < m ≤ ROWS.
+ * float32 and bf16: one sum over k. fp8: a sum per group of the raw e4m3 values (load_w), each
+ * multiplied by the group's scales and added in group order: the scale costs one FMA per group
+ * rather than a product per weight. Every element is the same sums in the same order whatever
+ * the rows of its block, so a row's result does not depend on the batch it came in. */
 static inline __attribute__((always_inline)) void block_gemm(const struct rows *x, int64_t r,
                                                              int64_t m, struct panel p,
                                                              int64_t k_dim, float *y, int64_t ldy,
                                                              int hold, int nv, int type) {
     const float *in[ROWS] = {0};
     for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
-    vec acc[ROWS][4], s[4];
+    vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
-    for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += p.group, g++) {
-        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
-        group_scales(type, p, g, nv, s);
-        for (int64_t k = k0; k < k1; k++) {
-            vec w[4];
-            for (int q = 0; q < nv; q++) {
-                w[q] = load_w(type, p.w, k * PANEL + q * VEC, s[q]);
-#if defined(__AVX__) /* x86, one register per vector */
-                if (hold) __asm__("" : "+v"(w[q]));
-#endif
-            }
-            for (int64_t i = 0; i < m; i++) {
-                float xi = in[i][k];
-                for (int q = 0; q < nv; q++) acc[i][q] = fma_vec(acc[i][q], xi, w[q]);
-            }
-        }
+    if (type != T_FP8) add_products(in, m, p, 0, k_dim, hold, nv, type, acc);
+    for (int64_t k0 = 0, g = 0; type == T_FP8 && k0 < k_dim; k0 += p.group, g++) {
+        vec part[ROWS][4], s[4];
+        memset(part, 0, sizeof part);
+        add_products(in, m, p, k0, k0 + p.group < k_dim ? k0 + p.group : k_dim, hold, nv, type,
+                     part);
+        for (int q = 0; q < nv; q++) s[q] = load_vec(p.scale + g * PANEL + q * VEC);
+        for (int64_t i = 0; i < m; i++)
+            for (int q = 0; q < nv; q++) acc[i][q] = fma_vv(acc[i][q], part[i][q], s[q]);
     }
     for (int64_t i = 0; i < m; i++)
         for (int q = 0; q < nv; q++) store_vec(y + i * ldy + q * VEC, acc[i][q]);

@@ -173,6 +173,17 @@ static inline void narrow_acts(int type, const float *src, int64_t n, void *p) {
         for (int64_t i = 0; i < n; i++) put_act(T_BF16, p, i, src[i]);
 }
 
+/* acc + a·b lane by lane as one fused multiply-add (as fma_vec, for a vector a). */
+static inline vec fma_vv(vec acc, vec a, vec b) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
+#else
+    return acc + a * b;
+#endif
+}
+
 /* The sum of a vector's lanes, in a fixed order: halves added pairwise (shuffles on x86). */
 static inline float sum_lanes(vec v) {
 #if defined(__AVX512F__)
