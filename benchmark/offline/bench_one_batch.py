@@ -201,7 +201,7 @@ def _decode_bandwidth(runners: dict, summaries: list[dict], server_args: ServerA
     model = next(iter(runners.values()))[0].model
     stored = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     print(f"Decode weight reads (--dtype {server_args.dtype}, --quantization "
-          f"{server_args.quantization}; weights stored as {', '.join(stored)}):\n"
+          f"{server_args.quantization or 'none'}; weights stored as {', '.join(stored)}):\n"
           "| batch | input | output | variant | weight MB / step | step ms | effective GB/s "
           "| read GB/s (threads) | share |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     bandwidths: dict[int | None, float] = {}
