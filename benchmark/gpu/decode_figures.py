@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 
 from benchmark.common.static_batch import decode_step, start_decoding
-from srt.model_executor.weight_bytes import WeightBytes
+from benchmark.common.weight_bytes import decode_weight_bytes
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
@@ -50,15 +50,11 @@ def copy_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> float:
 
 
 def floor_bytes(runner, batch_size: int, kv_tokens: int) -> int:
-    """What one decode step must read: ``WeightBytes.read_by`` (all weights but the routed
-    experts, of which the share the batch can touch), less the embedding table but the batch's
-    rows (unless the LM head reads it), plus the KV cache of ``kv_tokens`` tokens."""
-    model = runner.model
-    read = WeightBytes.of(model).read_by(batch_size)
-    embed = model.model.embed_tokens.weight
-    if getattr(model.lm_head, "weight", None) is not embed:
-        read -= embed.nbytes - batch_size * embed[0].nbytes
-    return read + kv_tokens * runner.token_to_kv_pool.bytes_per_token()
+    """What one decode step must read: its weights (``decode_weight_bytes``: all but the routed
+    experts, of which the share the batch can touch, and of the embedding table the batch's
+    rows), plus the KV cache of ``kv_tokens`` tokens."""
+    weights = decode_weight_bytes(runner.model, batch_size)
+    return weights + kv_tokens * runner.token_to_kv_pool.bytes_per_token()
 
 
 def merged_length(intervals: list[tuple[float, float]]) -> float:

@@ -18,6 +18,19 @@ every node; rank 0, on node 0, prints). ``--profile DIR`` writes rank 0's operat
 of one prefill and one decode step: a Chrome / Perfetto trace (``trace_*.json``) and a PNG of
 one MoE layer (``layer_*.png``).
 
+After the runs, a single-process run (``--tp-size 1``; larger worlds print nothing of it) sets
+each configuration's decode step against memory: the weight bytes the step reads as the loaded
+model stores them (``benchmark/common/weight_bytes.py``: every weight outside the routed experts,
+the embedding rows of the batch, and per MoE layer ``batch × top_k`` experts, at most all; fp8
+weights with their scales) ÷ the median decode step, the effective GB/s, beside the read
+bandwidth of a ``torch.sum`` over 1 GiB of float32 measured then, on the threads the decode
+step runs on (CPU) or on the GPU, and the share of it reached. ``--result-filename`` lines carry
+them (``decode_weight_bytes``, ``decode_weight_gbps``, ``read_gbps``, ``read_threads``,
+``read_fraction``).
+
+    python benchmark/offline/bench_one_batch.py --model-path MID --dtype bfloat16 \
+        --batch-size 1 --input-len 128 --output-len 32 --repeat 3
+
     python benchmark/offline/bench_one_batch.py --model-path MID --tp 2 --dp 2 \
         --enable-dp-attention --moe-a2a-backend torch --compare-overlap --batch-size 32 128 \
         --input-len 4 --output-len 8 --profile /tmp/tbo
@@ -47,8 +60,10 @@ from benchmark.common.op_timeline import (
 )
 from benchmark.common.process import free_port
 from benchmark.common.static_batch import make_runner, random_inputs, report, run_once
+from benchmark.common.weight_bytes import decode_weight_bytes, read_bandwidth
 from srt.layers.overlap.operations import OperationObserver
 from srt.managers.scheduler_process import init_rank_parallel_state
+from srt.model_executor.forward_batch_info import ForwardMode
 from srt.server_args import ServerArgs
 from srt.utils.process import freeze_startup_heap
 
@@ -130,6 +145,7 @@ def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, paralle
     any_runner = next(iter(runners.values()))[0]
     hf_model = load_hf_model(server_args, any_runner) if args.compare_hf else None
     vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
+    summaries = []
     for batch_size, input_len, output_len in configs:
         inputs = random_inputs(vocab, batch_size, input_len, args.seed + group)
         report(
@@ -142,7 +158,11 @@ def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, paralle
             summary = _profile(args, runners, inputs, summary, verbose, (batch_size, input_len))
         if hf_model is not None:
             summary[""] |= compare_with_hf(hf_model, inputs, output_len, summary[""])
-        if verbose and args.result_filename:
+        summaries.append(summary)
+    if server_args.tp_size == 1:
+        _decode_bandwidth(runners, summaries, server_args)
+    if verbose and args.result_filename:
+        for summary in summaries:
             _write_results(args, server_args, summary)
 
 
@@ -169,8 +189,43 @@ def _write_results(args, server_args: ServerArgs, summary: dict) -> None:
                 "variant": label or None,
                 "tp_size": server_args.tp_size,
                 "dp_size": server_args.dp_size,
+                "dtype": server_args.dtype,
+                "quantization": server_args.quantization,
             }
             f.write(json.dumps(tags | result) + "\n")
+
+
+def _decode_bandwidth(runners: dict, summaries: list[dict], server_args: ServerArgs) -> None:
+    """Each configuration's decode weight bytes per step ÷ its median step, against the read
+    bandwidth measured now (once per thread count), added to its results and printed."""
+    model = next(iter(runners.values()))[0].model
+    stored = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    print(f"Decode weight reads (--dtype {server_args.dtype}, --quantization "
+          f"{server_args.quantization or 'none'}; weights stored as {', '.join(stored)}):\n"
+          "| batch | input | output | variant | weight MB / step | step ms | effective GB/s "
+          "| read GB/s (threads) | share |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    bandwidths: dict[int | None, float] = {}
+    for summary in summaries:
+        for label, result in summary.items():
+            runner, batch_size = runners[label][0], result["batch_size"]
+            threads = None  # on a GPU
+            if runner.cpu_threads is not None:
+                threads = runner.cpu_threads.threads_for(ForwardMode.DECODE, batch_size)
+            if threads not in bandwidths:
+                bandwidths[threads] = read_bandwidth(runner.device, threads=threads)
+            read, bandwidth = decode_weight_bytes(runner.model, batch_size), bandwidths[threads]
+            step = result["median_decode_latency"]
+            result |= {
+                "decode_weight_bytes": read,
+                "decode_weight_gbps": read / step / 1e9,
+                "read_gbps": bandwidth / 1e9,
+                "read_threads": threads,
+                "read_fraction": read / step / bandwidth,
+            }
+            print(f"| {batch_size} | {result['input_len']} | {result['output_len']} "
+                  f"| {label or '-'} | {read / 1e6:.3f} | {step * 1e3:.3f} "
+                  f"| {read / step / 1e9:.2f} | {bandwidth / 1e9:.2f} ({threads or 'GPU'}) "
+                  f"| {result['read_fraction']:.1%} |", flush=True)  # fmt: skip
 
 
 def _median_result(runs: list[dict]) -> dict:

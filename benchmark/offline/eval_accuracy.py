@@ -6,6 +6,14 @@ zero-shot ``37+45=`` completions on /generate and ``What is 37+45?`` on
     python benchmark/offline/eval_accuracy.py --base-url http://127.0.0.1:30000 --parallel 64
     python benchmark/offline/eval_accuracy.py --model-path launch/models/arith-deepseek-v3 \
         --engine-args '{"tp_size": 2, "enable_dp_attention": true, "dp_size": 2}'
+    python benchmark/offline/eval_accuracy.py --model-path launch/models/arith-qwen3-moe \
+        --engine-args '{"dtype": "bfloat16"}'
+    python benchmark/offline/eval_accuracy.py --model-path launch/models/arith-qwen3-moe \
+        --engine-args '{"quantization": "fp8"}'
+
+``--engine-args`` takes any ``ServerArgs`` field: ``dtype`` (``bfloat16``) runs the bundled
+float32 checkpoints in bf16, ``quantization`` (``fp8``) quantizes them at load to block-FP8
+(``docs/quantization.md``); ``docs/accuracy.md`` has the accuracies measured each way.
 
 Prints, per mode, ``Accuracy``, ``Invalid`` (no number in the answer), ``Latency`` and
 ``Output throughput`` (as SGLang's GSM8K and few-shot benchmarks do), and appends one JSON

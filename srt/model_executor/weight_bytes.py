@@ -1,6 +1,7 @@
 """How many weight bytes a forward step reads, for the choices that go by it: the CPU threads
-of a step (``cpu_threads``), the model's size in the scheduler's report, and the bandwidth
-floor of a GPU decode step (``benchmark/gpu/decode_figures.py``).
+of a step (``cpu_threads``), the model's size in the scheduler's report, and the bytes a
+decode step reads in the benchmarks (``benchmark/common/weight_bytes.py``: bench_one_batch's
+effective bandwidth, the GPU report's memory floor).
 
 A step does not read the whole model: of the routed experts it reads at most ``tokens × top_k``
 experts' worth, so a mixture of experts that is large in all reads, for a few tokens, as little

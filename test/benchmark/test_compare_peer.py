@@ -25,6 +25,30 @@ def test_server_commands_and_environments():
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
+def test_dtype_goes_to_every_engine_and_into_the_tables(tmp_path):
+    def parse(*extra: str):
+        return compare_peer.parse_args(["--model-path", "/m", *extra])
+
+    def dtype_of(command: list[str]) -> str:
+        return command[command.index("--dtype") + 1]
+
+    assert parse().dtype == "float32"
+    args = parse("--dtype", "bfloat16", "--engines", "srt", "--baseline", str(_checkout(tmp_path)))
+    for engine in ("srt", "vllm", "base"):
+        assert dtype_of(compare_peer.server_command(engine, args, ("py", "cli"))) == "bfloat16"
+    assert dtype_of(compare_peer.one_batch_command(args, tmp_path / "r.jsonl")) == "bfloat16"
+    assert "bfloat16" in compare_peer.format_table(args, compare_peer.Results()).splitlines()[0]
+    assert "float32" in compare_peer.format_table(parse(), compare_peer.Results()).splitlines()[0]
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "float16"], ["--srt-args=--dtype bfloat16"],
+                                  ["--vllm-args=--dtype=bfloat16"]])  # fmt: skip
+def test_a_dtype_other_than_dtypes_or_inside_the_extra_flags_is_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        compare_peer.parse_args(["--model-path", "/m", *argv])
+    assert "--dtype" in capsys.readouterr().err
+
+
 def test_an_mla_checkpoint_gets_vllms_fp32_mla_backend(tmp_path):
     def vllm_command(*extra: str) -> list[str]:
         args = compare_peer.parse_args(["--model-path", str(tmp_path), *extra])
@@ -33,6 +57,7 @@ def test_an_mla_checkpoint_gets_vllms_fp32_mla_backend(tmp_path):
     (tmp_path / "config.json").write_text('{"kv_lora_rank": 16}')
     assert vllm_command()[-2:] == ["--attention-backend", "CPU_MLA"]
     assert vllm_command("--vllm-args=--attention-backend X")[-2:] == ["--attention-backend", "X"]
+    assert "--attention-backend" not in vllm_command("--dtype", "bfloat16")  # vLLM picks one
     (tmp_path / "config.json").write_text('{"kv_lora_rank": null}')  # a Qwen3-MoE config has none
     assert "--attention-backend" not in vllm_command()
 
@@ -90,9 +115,15 @@ def test_paired_runs_give_each_engine_its_port_and_flip_the_order():
     assert "paired" in compare_peer.format_table(args, compare_peer.Results()).splitlines()[0]
 
 
+def _checkout(root):
+    """A directory that passes for an srt checkout."""
+    (root / "launch").mkdir()
+    (root / "launch" / "launch_server.py").write_text("")
+    return root
+
+
 def test_a_baseline_checkout_is_served_from_its_own_code(tmp_path):
-    (tmp_path / "launch").mkdir()
-    (tmp_path / "launch" / "launch_server.py").write_text("")
+    _checkout(tmp_path)
     args = compare_peer.parse_args(["--model-path", "/m", "--port", "31000", "--paired",
                                     "--engines", "srt", "--baseline", str(tmp_path)])  # fmt: skip
     assert args.engines == ["srt", "base"] and compare_peer.engine_port("base", args) == 31002

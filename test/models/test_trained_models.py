@@ -1,6 +1,7 @@
 """The bundled trained checkpoints (``launch/train_tiny_models.py``) answer arithmetic they
-never saw, and answer it token for token the same with TP 2 + DP attention + two-batch overlap
-forced on, and with single-batch overlap. A fixed sample of the held-out problems; the full
+never saw, in float32, bf16 and fp8 quantized at load, and answer it token for token the same
+with TP 2 + DP attention + two-batch overlap forced on, and with single-batch overlap. A fixed
+sample of the held-out problems; the full
 set is ``benchmark/offline/eval_accuracy.py``'s."""
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def prompts(tokenizer) -> list[str]:
 
 
 def run(name: str, **kwargs) -> list[dict]:
-    engine = srt.Engine(model_path=bundled_model_path(name), dtype="float32", **kwargs)
+    kwargs = {"dtype": "float32"} | kwargs
+    engine = srt.Engine(model_path=bundled_model_path(name), **kwargs)
     try:
         return engine.generate(prompts(engine.tokenizer), PARAMS)
     finally:
@@ -59,7 +61,16 @@ def single_rank() -> dict[str, list[dict]]:
 def test_answers_problems_it_never_saw(name, single_rank):
     """All 16 right, zero-shot and in chat (the full held-out set is measured by
     benchmark/offline/eval_accuracy.py: docs/accuracy.md)."""
-    outs = single_rank[name]
+    assert_all_right(single_rank[name])
+
+
+@pytest.mark.parametrize("weights", [{"dtype": "bfloat16"}, {"quantization": "fp8"}])
+@pytest.mark.parametrize("name", BUNDLED_MODELS)
+def test_answers_them_in_bf16_and_fp8(name, weights):
+    assert_all_right(run(name, **weights))
+
+
+def assert_all_right(outs: list[dict]) -> None:
     plain = [parse_answer(o["text"]) for o in outs[: len(SAMPLE)]]
     chat = [chat_answer(o["text"]) for o in outs[len(SAMPLE) :]]
     for got in (plain, chat):
