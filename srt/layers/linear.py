@@ -97,7 +97,9 @@ def linear(
     """``F.linear``, through the CPU kernels or oneDNN with the ``packed`` weight when there
     is one. An fp8 ``weight`` comes with its per-row ``scale`` and ``group``."""
     if isinstance(packed, PanelWeight):
-        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)  # the kernels' activations
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype not in cpu_kernels.ACT_TYPES:
+            rows = rows.to(torch.float32)
         out = cpu_kernels.panel_linear(rows, packed.panels, packed.out_features, *packed[2:])
         if bias is not None:
             out += bias

@@ -74,7 +74,7 @@ _exp = _experts_args()
 # (op, arguments, the argument the error must name); metadata checks, which run before C.
 METADATA_CASES = [
     ("panel_linear", _with(_lin, 0, torch.randn(3, 17)), "x has columns 17"),
-    ("panel_linear", _with(_lin, 0, torch.randn(3, 16).double()), "x must be a 2-d torch.float32"),
+    ("panel_linear", _with(_lin, 0, torch.randn(3, 16).double()), "x has dtype torch.float64"),
     ("panel_linear", _with(_lin, 1, _lin[1].repeat(1, 1, 2)[..., ::2]), "panels must be contig"),
     ("panel_linear", _with(_lin, 2, 200), "out_features 200 is outside"),
     ("fused_experts", _with(_exp, 2, _exp[2][:, :1].contiguous()), "topk_ids .* disagree"),

@@ -107,3 +107,20 @@ def test_fp8_checks_refuse_before_the_kernel_runs():
 def test_scales_the_kernels_cannot_represent_are_refused():
     with pytest.raises(ValueError, match="outside the CPU kernels' range"):
         cpu_kernels.pack_scales(torch.full((4, 2), 300.0))
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, (32, 16)])
+@pytest.mark.parametrize("rows", [1, 6, 70])
+def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weights, rows):
+    torch.manual_seed(rows)
+    (w13, w2), scales, groups, _ = _experts(weights)
+    x = torch.randn(rows, w13.shape[2]).bfloat16()
+    panels, scale = cpu_kernels.pack_panels(w13[0]), scales[0]
+    scale = None if scale is None else scale[0]
+    linear = lambda x: cpu_kernels.panel_linear(x, panels, w13.shape[1], scale, groups[0])  # noqa: E731
+    assert linear(x).dtype == torch.bfloat16
+    assert torch.equal(linear(x), linear(x.float()).bfloat16())
+    topk_w, ids = torch.rand(rows, 2), torch.randint(0, 4, (rows, 2))
+    packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
+    experts = lambda x: cpu_kernels.fused_experts(x, topk_w, ids, 0, *packed, scales, groups)  # noqa: E731
+    assert torch.equal(experts(x), experts(x.float()).bfloat16())

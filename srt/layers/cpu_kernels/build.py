@@ -46,11 +46,13 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 DECLARATIONS: dict[str, tuple[type | None, list[type]]] = {
     "srt_panel_width": (_i64, []),
     "srt_kernel_is_fast": (_int, []),
-    "srt_panel_linear": (None, [_ptr, _i64, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr]),
+    "srt_panel_linear": (
+        None, [_int, _ptr, _i64, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _ptr]
+    ),
     "srt_fused_experts": (
         _int,
-        [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr,
-         _ptr, _i64, _ptr, _ptr],
+        [_int, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _i64,
+         _ptr, _ptr, _i64, _ptr, _ptr],
     ),
     "srt_rms_norm": (None, [_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr]),
     "srt_decode_attention": (

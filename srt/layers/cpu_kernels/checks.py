@@ -77,10 +77,10 @@ def check_panel_linear(
     scales: torch.Tensor | None = None,
     group: int = 0,
 ) -> None:
-    """x [n, K] float32 contiguous; panels [ceil(N / P), K, P] (with scales for fp8, see
-    ``_check_weight``); 0 < N ≤ panels · P."""
+    """x [n, K] float32 or bfloat16, contiguous; panels [ceil(N / P), K, P] (with scales for
+    fp8, see ``_check_weight``); 0 < N ≤ panels · P."""
     op = "panel_linear"
-    _tensor(op, "x", x, torch.float32, 2)
+    _tensor(op, "x", x, _act_dtype(op, "x", x), 2)
     _check_weight(op, "panels", panels, 3, scales, group)
     num_panels, k_dim, width = panels.shape
     _equal(op, "panels", "panel width", width, panel_width)
@@ -100,11 +100,11 @@ def check_fused_experts(
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     groups: tuple[int, int] = (0, 0),
 ) -> None:
-    """x [T, H] float32; topk_weights (float32), topk_ids (int64) [T, topk]; w13_panels
+    """x [T, H] float32 or bfloat16; topk_weights (float32), topk_ids (int64) [T, topk]; w13_panels
     [E, 2I / P, H, P]; w2_panels [E, H / P, I, P], of one dtype (fp8 with their scales, see
     ``_check_weight``); all contiguous; start ≥ 0."""
     op = "fused_experts"
-    _tensor(op, "x", x, torch.float32, 2)
+    _tensor(op, "x", x, _act_dtype(op, "x", x), 2)
     _tensor(op, "topk_weights", topk_weights, torch.float32, 2)
     _tensor(op, "topk_ids", topk_ids, torch.int64, 2)
     _check_weight(op, "w13_panels", w13_panels, 4, scales[0], groups[0])

@@ -62,6 +62,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _work_buffer(numel: int) -> torch.Tensor:
+    """This thread's float32 work buffer of at least ``numel`` elements (the GEMMs' bf16
+    activations widened, the experts' intermediate products)."""
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _work.buffer = torch.empty(max(numel, 1), dtype=torch.float32)
+    return buffer
+
+
+def _act_work(x: torch.Tensor, numel: int) -> int:
+    """The work buffer's address, with room for ``numel`` floats where ``x`` is bf16 (widened
+    there); float32 needs none."""
+    return _work_buffer(numel if x.dtype != torch.float32 else 0).data_ptr()
+
+
 def _panel_linear(
     x: torch.Tensor,
     panels: torch.Tensor,
@@ -71,9 +86,11 @@ def _panel_linear(
 ) -> torch.Tensor:
     checks.check_panel_linear(x, panels, out_features, panel_width(), scales, group)
     out = x.new_empty(x.shape[0], out_features)
+    rows, k_dim = x.shape
     _lib().srt_panel_linear(
-        x.data_ptr(), x.shape[0], panels.shape[1], checks.WEIGHT_TYPES[panels.dtype],
+        checks.ACT_TYPES[x.dtype], x.data_ptr(), rows, k_dim, checks.WEIGHT_TYPES[panels.dtype],
         panels.data_ptr(), _ptr(scales), group, out_features, out.data_ptr(),
+        _act_work(x, rows * (k_dim + out_features)),
     )  # fmt: skip
     return out
 
@@ -93,23 +110,16 @@ def panel_linear(
     scales: torch.Tensor | None = None,
     group: int = 0,
 ) -> torch.Tensor:
-    """float32 ``x [n, K]`` times a weight ``[N, K]`` transposed, from its panels
-    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]``
-    float32. Panels are float32, bfloat16 or float8_e4m3fn; fp8 panels come with their
-    ``scales`` (``pack_scales``) and the K ``group`` each scale covers."""
+    """``x [n, K]`` (float32 or bfloat16) times a weight ``[N, K]`` transposed, from its panels
+    ``[ceil(N / P), K, P]`` (N: ``out_features``, else every panel's columns): ``[n, N]`` of
+    x's dtype, summed in float32. Panels are float32, bfloat16 or float8_e4m3fn; fp8 panels
+    come with their ``scales`` (``pack_scales``) and the K ``group`` each scale covers."""
     args = (x.contiguous(), panels, out_features or panels.shape[0] * panels.shape[2])
     args = (*args, scales, group)
     return _panel_linear_op(*args) if _observed() else _panel_linear(*args)
 
 
 # --- fused_experts: Σ_k weight · expert(x) over this rank's experts ------------------------
-
-
-def _work_buffer(numel: int) -> torch.Tensor:
-    buffer = getattr(_work, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _work.buffer = torch.empty(max(numel, 1), dtype=torch.float32)
-    return buffer
 
 
 def _fused_experts(
@@ -130,12 +140,14 @@ def _fused_experts(
     )  # fmt: skip
     out = torch.empty_like(x)
     num_experts, _, inter, _ = w2_panels.shape
-    work = _work_buffer(topk_ids.numel() * (x.shape[1] + inter))
+    tokens, hidden = x.shape
+    widened = 2 * tokens * hidden if x.dtype != torch.float32 else 0
+    work = _work_buffer(topk_ids.numel() * (hidden + inter) + widened)
     status = _lib().srt_fused_experts(
-        x.data_ptr(), x.shape[0], x.shape[1], topk_ids.data_ptr(), topk_weights.data_ptr(),
-        topk_ids.shape[1], start, num_experts, inter, checks.WEIGHT_TYPES[w13_panels.dtype],
-        w13_panels.data_ptr(), _ptr(w13_scales), group13, w2_panels.data_ptr(),
-        _ptr(w2_scales), group2, out.data_ptr(), work.data_ptr(),
+        checks.ACT_TYPES[x.dtype], x.data_ptr(), tokens, hidden, topk_ids.data_ptr(),
+        topk_weights.data_ptr(), topk_ids.shape[1], start, num_experts, inter,
+        checks.WEIGHT_TYPES[w13_panels.dtype], w13_panels.data_ptr(), _ptr(w13_scales), group13,
+        w2_panels.data_ptr(), _ptr(w2_scales), group2, out.data_ptr(), work.data_ptr(),
     )  # fmt: skip
     _status("fused_experts", status)
     return out
@@ -164,9 +176,10 @@ def fused_experts(
     scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     groups: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]``
-    float32; ids outside that range (other ranks' experts, or -1) add nothing. fp8 panels come
-    with the ``scales`` of w13 and w2 (``pack_scales``) and the K ``groups`` they cover."""
+    """Σ_k weight · expert(x) over this rank's experts ``[start, start + E)``, ``[T, H]`` of x's
+    dtype (float32 or bfloat16; summed in float32); ids outside that range (other ranks'
+    experts, or -1) add nothing. fp8 panels come with the ``scales`` of w13 and w2
+    (``pack_scales``) and the K ``groups`` they cover."""
     args = (
         hidden_states.contiguous(),
         topk_weights.to(torch.float32).contiguous(),
@@ -183,19 +196,32 @@ def fused_experts(
 # --- rms_norm and fused_add_rms_norm ---------------------------------------------------------
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [R, inner, dim] with contiguous rows of dim, each block of inner rows at a stride
-    (the heads of a split QKV output); anything more irregular is copied."""
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x's rows of dim as the kernel reads them: (tensor, rows, inner, ld), row i at element
+    (i / inner) · ld + (i % inner) · dim, so that blocks of inner contiguous rows may lie at a
+    stride (the heads of a split QKV output); anything more irregular is copied. Read from the
+    strides on a decode step's path (a reshape costs as much as the kernel there)."""
     dim = x.shape[-1]
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x, x.shape[0], 1, x.stride(0)
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == dim:
+        return x, x.shape[0] * x.shape[1], x.shape[1], x.stride(0)
     lead = x.reshape(x.shape[0], -1, dim) if x.dim() > 1 else x.reshape(1, 1, dim)
-    return lead if lead.stride(2) == 1 and lead.stride(1) == dim else lead.contiguous()
+    if lead.stride(2) != 1 or lead.stride(1) != dim:
+        lead = lead.contiguous()
+    return lead, lead.shape[0] * lead.shape[1], lead.shape[1], lead.stride(0)
+
+
+def _empty_like(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of x's shape and dtype (``torch.empty(x.shape, ...)`` costs twice
+    as much on a decode step's path)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _norm_into(x, residual, total, weight, eps, out) -> None:
-    lead = _rows(x)
+    lead, rows, inner, ld = _rows(x)
     _lib().srt_rms_norm(
-        checks.ACT_TYPES[x.dtype], lead.data_ptr(), lead.shape[0] * lead.shape[1],
-        lead.shape[1], lead.stride(0), lead.shape[2],
+        checks.ACT_TYPES[x.dtype], lead.data_ptr(), rows, inner, ld, x.shape[-1],
         None if residual is None else residual.data_ptr(),
         None if total is None else total.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
@@ -203,7 +229,7 @@ def _norm_into(x, residual, total, weight, eps, out) -> None:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     checks.check_rms_norm(x, weight, eps, None)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = _empty_like(x)
     _norm_into(x, None, None, weight, eps, out)
     return out
 
@@ -212,7 +238,7 @@ def _fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     checks.check_rms_norm(x, weight, eps, residual)
-    out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    out, total = _empty_like(x), _empty_like(x)
     _norm_into(x, residual.contiguous(), total, weight, eps, out)
     return out, total
 
@@ -368,7 +394,7 @@ def _rope(
 ) -> torch.Tensor:
     checks.check_rope(x, positions, cos_sin)
     tokens, heads, rot = x.shape
-    out = torch.empty(tokens, heads, rot, dtype=x.dtype)
+    out = x.new_empty(tokens, heads, rot)
     status = _lib().srt_rope(
         checks.ACT_TYPES[x.dtype], x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), rot,
         positions.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0], int(neox), out.data_ptr(),

@@ -182,7 +182,9 @@ class _CpuKernelCompute(ExpertCompute):
     """``CPU_KERNEL`` (see the module docstring): each block runs whole, on host tensors."""
 
     def _run(self, hidden, weights, ids) -> torch.Tensor:
-        moe, x = self.moe, hidden.to(torch.float32)  # the kernel's activations
+        moe, x = self.moe, hidden
+        if x.dtype not in cpu_kernels.ACT_TYPES:
+            x = x.to(torch.float32)
         return cpu_kernels.fused_experts(x, weights, ids, moe.start, *moe.panels).to(hidden.dtype)
 
     def output(self) -> torch.Tensor:

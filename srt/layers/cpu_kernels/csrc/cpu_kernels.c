@@ -308,17 +308,35 @@ static void combine(const float *down, const struct routing *r, const float *wei
     }
 }
 
+/* n activations of `type` widened into float32 dst, or float32 src narrowed into n activations,
+ * shared out among the threads of a parallel region (a worksharing loop: every thread calls). */
+static void widen_shared(int type, const void *p, int64_t n, float *dst) {
+    int64_t size = type == T_F32 ? 4 : 2;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < n; c += 4096)
+        widen_acts(type, (const char *)p + c * size, n - c < 4096 ? n - c : 4096, dst + c);
+}
+
+static void narrow_shared(int type, const float *src, int64_t n, void *p) {
+    int64_t size = type == T_F32 ? 4 : 2;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < n; c += 4096)
+        narrow_acts(type, src + c, n - c < 4096 ? n - c : 4096, (char *)p + c * size);
+}
+
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
  * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL], both of `type`, with
  * their scales [E][2I/PANEL][ceil(H/group13)][PANEL] and [E][H/PANEL][ceil(I/group2)][PANEL]
- * for fp8 (else NULL); out [T, H]. `work` holds T·topk·(H + I) floats; the caller keeps it
- * from call to call, because fresh buffers this large are mapped anew by malloc and every
- * first touch of a page faults. Returns 0, or SRT_OUT_OF_MEMORY. */
-int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
-                      const float *weights, int64_t topk, int64_t start, int64_t num_experts,
-                      int64_t inter, int type, const void *w13, const float *scale13,
-                      int64_t group13, const void *w2, const float *scale2, int64_t group2,
-                      float *out, float *work) {
+ * for fp8 (else NULL); out [T, H]; x and out float32 or bf16 (`act`: bf16 is widened into
+ * float32 first and the float32 result narrowed at the end). `work` holds T·topk·(H + I)
+ * floats, and 2·T·H more for bf16; the caller keeps it from call to call, because fresh
+ * buffers this large are mapped anew by malloc and every first touch of a page faults.
+ * Returns 0, or SRT_OUT_OF_MEMORY. */
+int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden,
+                      const int64_t *ids, const float *weights, int64_t topk, int64_t start,
+                      int64_t num_experts, int64_t inter, int type, const void *w13,
+                      const float *scale13, int64_t group13, const void *w2,
+                      const float *scale2, int64_t group2, void *out, float *work) {
     struct routing r;
     if (route(ids, num_tokens * topk, start, num_experts, &r)) {
         free_routing(&r);
@@ -326,15 +344,19 @@ int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const 
     }
     struct weights up = {w13, scale13, hidden, scale13 ? group13 : hidden, type};
     struct weights down_w = {w2, scale2, inter, scale2 ? group2 : inter, type};
-    /* act [routed, I] | down [routed, H] */
-    float *act = work, *down = act + r.routed * inter;
+    /* act [routed, I] | down [routed, H] | bf16: x and out in float32 [T, H] each */
+    float *gated = work, *down = gated + num_tokens * topk * inter;
+    float *xf = (float *)x, *outf = out;
+    if (act != T_F32) xf = down + num_tokens * topk * hidden, outf = xf + num_tokens * hidden;
 #pragma omp parallel
     {
-        experts_act(x, hidden, r.order, topk, &up, inter, r.active, r.num_active, r.begin,
-                    r.count, act);
-        experts_down(act, inter, &down_w, hidden, r.active, r.num_active, r.begin, r.count,
+        if (act != T_F32) widen_shared(act, x, num_tokens * hidden, xf);
+        experts_act(xf, hidden, r.order, topk, &up, inter, r.active, r.num_active, r.begin,
+                    r.count, gated);
+        experts_down(gated, inter, &down_w, hidden, r.active, r.num_active, r.begin, r.count,
                      down);
-        combine(down, &r, weights, num_tokens, topk, hidden, out);
+        combine(down, &r, weights, num_tokens, topk, hidden, outf);
+        if (act != T_F32) narrow_shared(act, outf, num_tokens * hidden, out);
     }
     free_routing(&r);
     return 0;
@@ -342,32 +364,42 @@ int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const 
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
  * [ceil(N/PANEL)][K][PANEL] of `type` (fp8: with its scales [ceil(N/PANEL)][ceil(K/group)]
- * [PANEL], else NULL), the last panel's columns past N zero. The work is shared out by (panel,
- * chunk of LINEAR_CHUNK rows), panel-major: decode's few rows leave whole panels to each
- * thread, and a layer of few panels (a router's) still has every thread busy in prefill. A
- * partial last panel computes only the vectors that hold its N % PANEL columns, into a buffer
- * of its own whose first N % PANEL columns are copied out. */
+ * [PANEL], else NULL), the last panel's columns past N zero; x and y float32 or bf16 (`act`:
+ * bf16 is widened into `work`, n·(K + N) floats, and the float32 product narrowed from it).
+ * The work is shared out by (panel, chunk of LINEAR_CHUNK rows), panel-major: decode's few
+ * rows leave whole panels to each thread, and a layer of few panels (a router's) still has
+ * every thread busy in prefill. A partial last panel computes only the vectors that hold its
+ * N % PANEL columns, into a buffer of its own whose first N % PANEL columns are copied out. */
 #define LINEAR_CHUNK 64
-void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const void *panels,
-                      const float *scale, int64_t group, int64_t n_dim, float *y) {
+void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type,
+                      const void *panels, const float *scale, int64_t group, int64_t n_dim,
+                      void *y, float *work) {
     struct weights W = {panels, scale, k_dim, scale ? group : k_dim, type};
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
     int64_t num_panels = full + (rest > 0), chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < num_panels * chunks; u++) {
-        int64_t b = u / chunks, r0 = (u % chunks) * LINEAR_CHUNK;
-        int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
-        struct rows rows = {x + r0 * k_dim, k_dim, NULL, 1};
-        if (b < full) {
-            panel_gemm(&rows, m, panel_at(&W, b), k_dim, y + r0 * n_dim + b * PANEL, n_dim, 4,
-                       type);
-            continue;
+    float *xf = (float *)x, *yf = y;
+    if (act != T_F32) xf = work, yf = work + n * k_dim;
+#pragma omp parallel
+    {
+        if (act != T_F32) widen_shared(act, x, n * k_dim, xf);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < num_panels * chunks; u++) {
+            int64_t b = u / chunks, r0 = (u % chunks) * LINEAR_CHUNK;
+            int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
+            struct rows rows = {xf + r0 * k_dim, k_dim, NULL, 1};
+            if (b < full) {
+                panel_gemm(&rows, m, panel_at(&W, b), k_dim, yf + r0 * n_dim + b * PANEL, n_dim,
+                           4, type);
+                continue;
+            }
+            float last[LINEAR_CHUNK * PANEL];
+            panel_gemm(&rows, m, panel_at(&W, b), k_dim, last, PANEL, nv, type);
+            for (int64_t i = 0; i < m; i++)
+                memcpy(yf + (r0 + i) * n_dim + full * PANEL, last + i * PANEL,
+                       rest * sizeof *last);
         }
-        float last[LINEAR_CHUNK * PANEL];
-        panel_gemm(&rows, m, panel_at(&W, b), k_dim, last, PANEL, nv, type);
-        for (int64_t i = 0; i < m; i++)
-            memcpy(y + (r0 + i) * n_dim + full * PANEL, last + i * PANEL, rest * sizeof *last);
+        if (act != T_F32) narrow_shared(act, yf, n * n_dim, y);
     }
 }
 

@@ -17,18 +17,19 @@
 
 /* The exported functions. Each returns 0, or one of the codes below; none writes its output
  * before its index checks pass. Where the arguments are described: in the C file of each.
- * `type` is a tensor format: the activation kernels (norm, rope, attention) take float32 or
- * bfloat16 activations and KV cache (ACT_TYPES in checks.py), the GEMMs float32 activations
- * over weights of any of the three (WEIGHT_TYPES). */
+ * `act` and `type` are tensor formats: every kernel takes float32 or bfloat16 activations
+ * (and KV cache) (ACT_TYPES in checks.py), the GEMMs weights of any of the three
+ * (WEIGHT_TYPES). */
 int64_t srt_panel_width(void);
 int srt_kernel_is_fast(void);
-void srt_panel_linear(const float *x, int64_t n, int64_t k_dim, int type, const void *panels,
-                      const float *scale, int64_t group, int64_t n_dim, float *y);
-int srt_fused_experts(const float *x, int64_t num_tokens, int64_t hidden, const int64_t *ids,
-                      const float *weights, int64_t topk, int64_t start, int64_t num_experts,
-                      int64_t inter, int type, const void *w13, const float *scale13,
-                      int64_t group13, const void *w2, const float *scale2, int64_t group2,
-                      float *out, float *work);
+void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type,
+                      const void *panels, const float *scale, int64_t group, int64_t n_dim,
+                      void *y, float *work);
+int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden,
+                      const int64_t *ids, const float *weights, int64_t topk, int64_t start,
+                      int64_t num_experts, int64_t inter, int type, const void *w13,
+                      const float *scale13, int64_t group13, const void *w2,
+                      const float *scale2, int64_t group2, void *out, float *work);
 void srt_rms_norm(int type, const void *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
                   const void *residual, void *sum_out, const void *weight, float eps, void *out);
 int srt_decode_attention(int type, const void *q, int64_t batch, int64_t heads, int64_t dim,
