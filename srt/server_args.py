@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from srt.server_args_checks import (
+    check_cuda_graphs,
     check_gpus_per_node,
-    check_kernels,
     check_model_layout,
     check_overlap,
     check_parallel,
     check_ranges,
     low_latency_fit,
+    normalize_spellings,
+    resolve_attention_backend,
     resolve_burst_prefill,
 )
 from srt.server_args_choices import (
@@ -32,6 +34,7 @@ from srt.server_args_choices import (
     MOE_A2A_BACKEND_CHOICES,
     SCHEDULE_POLICY_CHOICES,
     TOOL_CALL_PARSER_CHOICES,
+    VALUE_ALIASES,
 )
 from srt.server_args_debug import DebugArgs, apply_env_aliases
 from srt.server_args_model import ModelArgs
@@ -176,7 +179,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         metadata=_arg(
             "parallel",
             "Tensor-parallel size: the number of rank processes, over all nodes.",
-            aliases=["--tp"],
+            aliases=["--tp", "--tensor-parallel-size"],
         ),
     )
     dp_size: int = field(
@@ -185,7 +188,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
             "parallel",
             "Attention data-parallel groups (with --enable-dp-attention); tp-size // dp-size "
             "ranks shard attention inside each group.",
-            aliases=["--dp"],
+            aliases=["--dp", "--data-parallel-size"],
         ),
     )
     enable_dp_attention: bool = field(
@@ -208,8 +211,12 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         default="round_robin",
         metadata=_arg(
             "parallel",
-            "How the data-parallel controller picks a DP group for a request.",
-            choices=LOAD_BALANCE_CHOICES,
+            "How the data-parallel controller picks a DP group for a request: round_robin; "
+            "shortest_queue (fewest running and waiting requests; SGLang's total_requests); "
+            "minimum_tokens (fewest tokens in use or waiting, then fewest requests; SGLang's "
+            "total_tokens). auto (SGLang's default) is round_robin: SGLang picks by the "
+            "PD-disaggregation role, and srt serves without disaggregation.",
+            choices=[*LOAD_BALANCE_CHOICES, *VALUE_ALIASES["load_balance_method"]],
         ),
     )
     ep_size: int | None = field(
@@ -218,7 +225,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
             "parallel",
             "Expert-parallel size; default tp-size with an all-to-all backend, else 1 "
             "(experts TP-sharded).",
-            aliases=["--ep"],
+            aliases=["--ep", "--expert-parallel-size"],
         ),
     )
     moe_a2a_backend: str = field(
@@ -341,8 +348,10 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
 
     # ----------------------------------------------------------------------------------
     def check_and_resolve(self) -> None:
-        """Validate every flag once; resolve "auto" values and environment aliases."""
+        """Validate every flag once; resolve "auto" values, other spellings of values and
+        environment aliases."""
         apply_env_aliases(self)
+        normalize_spellings(self)
         if self.model_path is None:
             raise ValueError("--model-path is required: a Hugging Face model directory")
         if self.tokenizer_path is None:
@@ -351,6 +360,15 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.resolve_for_device()
+        self.attention_backend = resolve_attention_backend(self.attention_backend, self.device)
+        if self.device == "cuda":
+            check_gpus_per_node(self)
+
+    def resolve_for_device(self) -> None:
+        """What ``check_and_resolve`` validates and resolves from the flags and the device
+        alone, without looking at the machine (its kernels, its GPUs): docs/flags.md shows
+        these defaults for each device (``srt.server_args_doc``)."""
         if self.mem_fraction_static is None:
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.1
         self._resolve_batch_limits()
@@ -358,9 +376,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         check_parallel(self)
         check_overlap(self)
         resolve_burst_prefill(self)
-        check_kernels(self)
-        if self.device == "cuda":
-            check_gpus_per_node(self)
+        check_cuda_graphs(self)
 
     def _resolve_batch_limits(self) -> None:
         """Defaults of --chunked-prefill-size and --max-running-requests. Under --deepep-mode

@@ -16,10 +16,12 @@ from srt.server_args_choices import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     GRAMMAR_BACKEND_CHOICES,
+    LOAD_BALANCE_CHOICES,
     NO_DEEPEP,
     OVERLAP_MODE_CHOICES,
     SCHEDULE_POLICY_CHOICES,
     TOOL_CALL_PARSER_CHOICES,
+    VALUE_ALIASES,
 )
 
 if TYPE_CHECKING:
@@ -27,6 +29,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("srt.server_args")
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
+
+
+def normalize_spellings(args: ServerArgs) -> None:
+    """SGLang's other spellings of some values (``VALUE_ALIASES``: ``--dtype half``,
+    ``--load-balance-method total_tokens``, ...) replaced by srt's names."""
+    for name, aliases in VALUE_ALIASES.items():
+        value = getattr(args, name)
+        setattr(args, name, aliases.get(value, value))
 
 
 def check_ranges(args: ServerArgs) -> None:
@@ -95,6 +105,7 @@ def check_ranges(args: ServerArgs) -> None:
         ("kv_cache_dtype", DTYPE_CHOICES),
         ("device", DEVICE_CHOICES[1:]),
         ("schedule_policy", SCHEDULE_POLICY_CHOICES),
+        ("load_balance_method", LOAD_BALANCE_CHOICES),
         ("grammar_backend", GRAMMAR_BACKEND_CHOICES),
     ):
         require(getattr(args, name) in choices, name, f"must be one of {choices}")
@@ -364,10 +375,8 @@ def check_model_layout(args: ServerArgs, hf_config: Any) -> None:
         )
 
 
-def check_kernels(args: ServerArgs) -> None:
-    """--attention-backend (``resolve_attention_backend``) and, on CUDA, the CUDA-graph batch
-    sizes (``cuda_graph_batch_sizes``)."""
-    args.attention_backend = resolve_attention_backend(args.attention_backend, args.device)
+def check_cuda_graphs(args: ServerArgs) -> None:
+    """On CUDA, the CUDA-graph batch sizes (``cuda_graph_batch_sizes``); elsewhere, none."""
     graph_flags = args.cuda_graph_bs is not None or args.cuda_graph_max_bs is not None
     if args.device != "cuda":
         if graph_flags:

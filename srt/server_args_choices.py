@@ -9,6 +9,20 @@ DEVICE_CHOICES = ["auto", "cpu", "cuda"]  # auto resolves to one of the others a
 ATTENTION_BACKEND_CHOICES = ["auto", "triton", "cpu", "torch_native"]
 SCHEDULE_POLICY_CHOICES = ["fcfs", "lpm"]
 LOAD_BALANCE_CHOICES = ["round_robin", "shortest_queue", "minimum_tokens"]
+# SGLang's (and vLLM's) other spellings of some values: the flags accept them too, and
+# ``srt.server_args_checks.normalize_spellings`` maps each to srt's name right after parsing, so
+# the rest of srt sees one spelling. SGLang's --load-balance-method auto picks by the
+# PD-disaggregation role (follow_bootstrap_room on a prefill server, else round_robin); srt
+# serves without disaggregation, so its auto is round_robin.
+VALUE_ALIASES = {
+    "dtype": {"half": "float16", "float": "float32"},
+    "kv_cache_dtype": {"bf16": "bfloat16"},
+    "load_balance_method": {
+        "auto": "round_robin",
+        "total_requests": "shortest_queue",
+        "total_tokens": "minimum_tokens",
+    },
+}
 MOE_A2A_BACKEND_CHOICES = ["none", "torch", "deepep"]
 DEEPEP_MODE_CHOICES = ["auto", "normal", "low_latency"]
 OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "dbo", "auto"]

@@ -1,4 +1,4 @@
-"""The logging and debugging flags of ``ServerArgs``, a dataclass of their own that
+"""The logging, metrics and debugging flags of ``ServerArgs``, a dataclass of their own that
 ``ServerArgs`` extends, and the one table of environment variables srt reads as their aliases.
 
 An environment variable sets its flag's field when the flag was left at its default (an
@@ -36,6 +36,15 @@ class DebugArgs:
     log_level: str = field(
         default="info",
         metadata=_arg("logging", "Logging level.", choices=LOG_LEVEL_CHOICES),
+    )
+    enable_metrics: bool = field(
+        default=False,
+        metadata=_arg(
+            "logging",
+            "Record Prometheus metrics (request latencies, token counters, the schedulers' "
+            "gauges) and serve them at GET /metrics; without it, as in SGLang, none are "
+            "recorded and /metrics answers 404.",
+        ),
     )
     stream_trace_dir: str | None = field(
         default=None,

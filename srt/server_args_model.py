@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from srt.server_args_choices import DEVICE_CHOICES, DTYPE_CHOICES, QUANTIZATION_CHOICES
+from srt.server_args_choices import (
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    VALUE_ALIASES,
+)
 from srt.server_args_overlap import _arg
 
 
@@ -25,11 +30,20 @@ class ModelArgs:
     )
     dtype: str = field(
         default="auto",
-        metadata=_arg("model", "Weight and activation dtype.", choices=DTYPE_CHOICES),
+        metadata=_arg(
+            "model",
+            "Weight and activation dtype; half and float (SGLang's and vLLM's spellings) are "
+            "float16 and float32.",
+            choices=[*DTYPE_CHOICES, *VALUE_ALIASES["dtype"]],
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto",
-        metadata=_arg("model", "KV cache dtype; auto follows --dtype.", choices=DTYPE_CHOICES),
+        metadata=_arg(
+            "model",
+            "KV cache dtype; auto follows --dtype; bf16 (SGLang's spelling) is bfloat16.",
+            choices=[*DTYPE_CHOICES, *VALUE_ALIASES["kv_cache_dtype"]],
+        ),
     )
     context_length: int | None = field(
         default=None,

@@ -174,10 +174,12 @@ def add_native_routes(
         tm.abort_request(str(rid))
         return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body = tm.metrics.render(await tm.get_internal_state())
-        return Response(body, media_type="text/plain; version=0.0.4")
+    if server_args.enable_metrics:  # as SGLang: no route without the flag
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            body = tm.metrics.render(await tm.get_internal_state())
+            return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:

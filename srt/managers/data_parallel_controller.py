@@ -6,6 +6,8 @@ schedulers.
   ``shortest_queue`` (fewest running + waiting requests) or ``minimum_tokens`` (fewest tokens in
   use or waiting), from the load each group's entry rank reports when it changes, plus what was
   sent since that report (so a burst does not all land on one group between reports).
+  SGLang's names for them (auto, total_requests, total_tokens) become these at start-up
+  (``srt.server_args_choices.VALUE_ALIASES``).
 - The other groups get a ``WakeUp``: an all-idle world polls slowly, and the group that got the
   request needs every rank in its next MLP-sync step.
 - Aborts and control requests go to every group (an abort is a no-op where the rid is unknown;

@@ -79,7 +79,8 @@ class TokenizerManager:
         self.control_replies: list[object] = []
         self.control_lock: asyncio.Lock | None = None
         self.handle_loop_task: asyncio.Task | None = None
-        self.metrics = TokenizerMetrics()
+        # --enable-metrics: recorded for /metrics, else not at all
+        self.metrics = TokenizerMetrics() if server_args.enable_metrics else None
         self.fatal_error: str | None = None  # set when a child process died or a rank failed
         self.loop: asyncio.AbstractEventLoop | None = None
         running = server_args.max_running_requests * server_args.num_running_groups
@@ -230,7 +231,8 @@ class TokenizerManager:
                 f"({self.max_in_flight}: running batches + --max-queued-requests)"
             )
         if len(self.rid_to_state) + num_requests > self.max_in_flight:
-            self.metrics.rejected.inc(num_requests)
+            if self.metrics is not None:
+                self.metrics.rejected.inc(num_requests)
             raise ServerOverloadedError(self.overloaded_message())
 
     def overloaded_message(self) -> str | None:
@@ -428,7 +430,7 @@ class TokenizerManager:
             state = self.rid_to_state.get(rid)
             if state is None:
                 continue  # aborted and forgotten
-            if state.obj.log_metrics:
+            if self.metrics is not None and state.obj.log_metrics:
                 self.metrics.observe(state, out, i, now)
             state.update(out, i)
             state.event.set()

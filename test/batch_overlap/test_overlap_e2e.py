@@ -125,7 +125,7 @@ def test_http_server_with_auto_overlap(tiny_models, unsplit):
     args = (
         "--tp", "2", "--dp", "2", "--enable-dp-attention", "--moe-a2a-backend", "torch",
         "--deepep-mode", "normal", "--overlap-mode", "auto", "--dtype", "float32",
-        "--max-total-tokens", "1024",
+        "--max-total-tokens", "1024", "--enable-metrics",
     )  # fmt: skip
     request = {
         "input_ids": TWICE,

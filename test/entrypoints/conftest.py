@@ -14,8 +14,9 @@ from helpers.server_process import ServerProcess, running_server
 
 @pytest.fixture(scope="session")
 def shared_server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
-    """The server behind ``server``: started once for every module that takes it."""
-    with running_server(qwen3_moe_path) as srv:
+    """The server behind ``server``: started once for every module that takes it (with
+    /metrics, which test_http_server reads)."""
+    with running_server(qwen3_moe_path, "--enable-metrics") as srv:
         yield srv
 
 

@@ -73,7 +73,8 @@ def assert_overloaded(response: httpx.Response) -> None:
 def test_full_queue_answers_503_and_the_server_recovers(qwen3_moe_path: str) -> None:
     """A server that runs one request and queues one is full with two in flight. Its scheduler
     is stopped meanwhile, so they stay in flight whatever the machine's speed."""
-    args = ("--max-running-requests", "1", "--max-queued-requests", "1", "--skip-server-warmup")
+    args = ("--max-running-requests", "1", "--max-queued-requests", "1", "--skip-server-warmup",
+            "--enable-metrics")  # fmt: skip
     short = {"text": "Hi", "sampling_params": {"max_new_tokens": 3}}
     with running_server(qwen3_moe_path, *args) as server:
         scheduler = spawned_children(server)[0]

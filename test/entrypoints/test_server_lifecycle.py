@@ -45,7 +45,7 @@ def test_warm_up_leaves_no_trace_and_sigterm_stops_cleanly(qwen3_moe_path: str) 
     prefix cache empty and the request metrics zero, so the first user starts from scratch.
     Then SIGTERM stops that server and its children cleanly (one server for both: a
     fresh one, and its end)."""
-    with running_server(qwen3_moe_path) as server:
+    with running_server(qwen3_moe_path, "--enable-metrics") as server:
         state = internal_state(server.url)
         assert "warm-up done" in server.log()
         assert state["num_forward_steps"] > 0, state
@@ -61,8 +61,8 @@ def test_warm_up_leaves_no_trace_and_sigterm_stops_cleanly(qwen3_moe_path: str) 
 
 
 def test_api_key_then_scheduler_death_stops_server(qwen3_moe_path: str) -> None:
-    """--api-key guards every route but /health; then (the end of that server) the death of
-    its scheduler stops it."""
+    """--api-key guards every route but /health, and without --enable-metrics there is no
+    /metrics; then (the end of that server) the death of its scheduler stops it."""
     args = ("--api-key", "secret", "--skip-server-warmup")
     with running_server(qwen3_moe_path, *args) as server:
         good = {"Authorization": "Bearer secret"}
@@ -82,6 +82,7 @@ def test_api_key_then_scheduler_death_stops_server(qwen3_moe_path: str) -> None:
             assert response.status_code == 200, response.text
             assert response.json()["meta_info"]["completion_tokens"] == 2
             assert http.get("/get_server_info", headers=good).status_code == 200
+            assert http.get("/metrics", headers=good).status_code == 404
         url = server.url + "/v1"
         models = openai.OpenAI(base_url=url, api_key="secret", max_retries=0).models.list()
         assert [model.id for model in models] == [qwen3_moe_path]
