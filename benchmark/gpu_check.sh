@@ -5,14 +5,19 @@
 #
 # Steps, each time-boxed, each reported PASS or FAIL (a failed step does not stop the next):
 #   1  install the carried wheels (.whl/, if any), print versions and the GPU; build the tiny
-#      test checkpoints; start writing the 4-layer Qwen3-30B-A3B-shaped checkpoint (background)
+#      test checkpoints; start writing the 4-layer Qwen3-30B-A3B-shaped checkpoint and then its
+#      block-FP8 copy (background)
 #   2  the GPU tests (pytest -m gpu) and the Triton kernel tests, compiled for the GPU
 #   3  fp32 parity with HF transformers: eager, CUDA graphs, TBO forced, SBO (gpu_parity.py)
 #   4  bf16 greedy tokens: CUDA graphs == eager
 #   5  decode forwards under forbid_host_sync
 #   6  decode step figures of the 30B-shaped checkpoint (gpu_report.py)
-#   7  served output tok/s at concurrency 32 (launch_server + bench_serving.py)
-# Exit status 1 if any step failed. The whole run fits GPU_CHECK_SECONDS (default 470).
+#   7  fp8: a) the fp8 Triton kernel tests, and the tiny fp8 checkpoints' logprobs against
+#      their dequantized copies, weight-only and W8A8 (gpu_parity.py --check fp8); b) decode
+#      step figures of the 30B-shaped fp8 copy, batch sizes as step 6, beside step 6's
+#   8  served output tok/s at concurrency 32 (launch_server + bench_serving.py)
+# Exit status 1 if any step failed. The whole run fits GPU_CHECK_SECONDS (default 470): a step
+# gets its own budget or what is left, whichever is less.
 #
 # Environment: PYTHON (python3), GPU_CHECK_SECONDS, GPU_CHECK_DIR (/tmp/srt-gpu-check: the
 # generated checkpoint, server log), GPU_CHECK_LOG (GPU_CHECK_DIR/gpu_check.log: this output),
@@ -30,6 +35,8 @@ SITE=${SITE:-/tmp/site}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 PRESET=${GPU_CHECK_PRESET:-qwen3-30b-a3b-4l}
 BIG=$WORK/$PRESET
+FP8=$WORK/$PRESET-fp8
+FIGURES=$WORK/decode_figures.json # step 6's, shown beside step 7b's
 DEFAULT_REPORT_ARGS="--batch-size 1 64 --input-len 512 --output-len 16 --tbo-batch-size 64"
 REPORT_ARGS=${GPU_CHECK_REPORT_ARGS:-$DEFAULT_REPORT_ARGS}
 DTYPE=bfloat16
@@ -93,14 +100,29 @@ step_graphs() { "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check gra
 step_nosync() { "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check nosync; }
 
 step_report() {
-    wait_for_model || return 1
+    wait_for_model "$BIG" || return 1
     # shellcheck disable=SC2086
     "$PY" benchmark/gpu/gpu_report.py --model-path "$BIG" --device "$DEVICE" --dtype "$DTYPE" \
-        $REPORT_ARGS
+        $REPORT_ARGS --figures-json "$FIGURES"
+}
+
+step_fp8_parity() {
+    local rc=0
+    "$PY" -m pytest -q --tb=short -p no:cacheprovider test/layers/quantization/test_fp8_triton.py ||
+        rc=1
+    "$PY" benchmark/gpu/gpu_parity.py --device "$DEVICE" --check fp8 || rc=1
+    return $rc
+}
+
+step_fp8_report() { # the decode table alone, beside step 6's (none if step 6 failed)
+    wait_for_model "$FP8" || return 1
+    # shellcheck disable=SC2086
+    "$PY" benchmark/gpu/gpu_report.py --model-path "$FP8" --device "$DEVICE" --dtype "$DTYPE" \
+        $REPORT_ARGS --skip profile tbo hf --baseline "$FIGURES"
 }
 
 step_serve() {
-    wait_for_model || return 1
+    wait_for_model "$BIG" || return 1
     local port
     port=$("$PY" -c "import socket; s = socket.create_server(('', 0)); print(s.getsockname()[1])")
     # Its own session, so that the whole server tree goes down with one kill of its group.
@@ -139,12 +161,13 @@ alive() { # pid: running (not exited, not a zombie waiting for its parent)
     [ -n "$state" ] && [ "$state" != Z ]
 }
 
-wait_for_model() {
-    # Written in the background since the start; config.json is its last file.
+wait_for_model() { # dir: written in the background since the start
+    # The writer writes the checkpoint, then its fp8 copy: waiting for both keeps its CPU work
+    # off every timed step. config.json is a checkpoint's last file.
     while alive "${WRITER:-}"; do
         sleep 1
     done
-    [ -f "$BIG/config.json" ] && return 0
+    [ -f "$1/config.json" ] && return 0
     echo "writing the checkpoint failed:"
     tail -n 20 "$WORK/make_model.log"
     return 1
@@ -192,11 +215,12 @@ main() {
     mkdir -p "$WORK"
     exec > >(tee "$LOG") 2>&1
     echo "srt GPU check, $(date -u +%FT%TZ): budget $TOTAL s; log $LOG"
-    # The 6 GB checkpoint of steps 6-7, written (random weights, on the CPU) while the steps
-    # before them run: few threads, to leave the cores to Triton's compiler; none of the
-    # wheels, which step 1 may be installing at that moment.
-    OMP_NUM_THREADS=4 PYTHONPATH="$PWD/launch" "$PY" benchmark/offline/make_random_model.py \
-        --out-dir "$BIG" --preset "$PRESET" >"$WORK/make_model.log" 2>&1 &
+    # The 6 GB checkpoint of steps 6 and 8 and its 3.7 GB fp8 copy (step 7b), written (random
+    # weights, on the CPU) while the steps before them run: few threads, to leave the cores to
+    # Triton's compiler; none of the wheels, which step 1 may be installing at that moment.
+    rm -f "$FIGURES" # a figure of an earlier run is no baseline
+    OMP_NUM_THREADS=4 PYTHONPATH="$PWD:$PWD/launch" "$PY" benchmark/offline/make_random_model.py \
+        --out-dir "$BIG" --preset "$PRESET" --fp8-copy "$FP8" >"$WORK/make_model.log" 2>&1 &
     export WRITER=$!
     run_step "1 setup: wheels, versions, tiny checkpoints" 30 setup
     run_step "2a GPU tests (pytest -m gpu)" 45 gpu_tests
@@ -205,7 +229,9 @@ main() {
     run_step "4 bf16 greedy: CUDA graphs == eager" 35 graphs
     run_step "5 decode under forbid_host_sync" 30 nosync
     run_step "6 decode figures, Qwen3-30B-A3B-shaped" 150 report
-    run_step "7 served tok/s, concurrency 32" 60 serve
+    run_step "7a fp8 kernels; tiny fp8 vs dequantized" 75 fp8_parity
+    run_step "7b fp8 decode figures, beside step 6" 75 fp8_report
+    run_step "8 served tok/s, concurrency 32" 60 serve
     kill "$WRITER" 2>/dev/null
     wait "$WRITER" 2>/dev/null
     printf '\n######## summary (%d s)\n' "$SECONDS"

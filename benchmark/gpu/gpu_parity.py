@@ -1,5 +1,5 @@
 """Correctness of srt's GPU path on the tiny checkpoints (``benchmark/gpu_check.sh``, steps
-3-5; ``docs/gpu.md``), through bench_one_batch's static batches
+3-5 and 7a; ``docs/gpu.md``), through bench_one_batch's static batches
 (``benchmark.common.static_batch``):
 
 - ``parity``: fp32 log-probabilities against HF transformers on the same device, at prefill and
@@ -10,22 +10,31 @@
   for batches that fill their bucket; padded batches are shown too (their GEMMs have other
   shapes, so bf16 rounding may differ: reported, not failed);
 - ``nosync``: decode forwards under ``forbid_host_sync`` (``ModelRunner.forbid_host_sync``),
-  eagerly, from the graphs and split by two-batch overlap.
+  eagerly, from the graphs and split by two-batch overlap;
+- ``fp8``: block-FP8 copies of the tiny Qwen3-MoE and DeepSeek-V3 (128 × 128 blocks) in fp32
+  with CUDA graphs, against their exactly dequantized copies run eagerly: max |Δ logprob| at
+  prefill and 8 decode steps fed the reference's greedy tokens, and the steps whose greedy
+  token agrees; weight-only (the kernels' path before sm89, forced on newer GPUs) must match
+  to fp32's tolerance, W8A8 (sm89+, activations quantized too) must keep most greedy tokens.
 
 On CPU it runs as well (``--device cpu``), with no graphs to capture.
 
-    python benchmark/gpu/gpu_parity.py --check parity graphs nosync
+    python benchmark/gpu/gpu_parity.py --check parity graphs nosync fp8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 import traceback
+from collections.abc import Callable, Iterator
 
 import torch
 from make_tiny_models import ensure_tiny_models
 
+from benchmark.common.fp8_checkpoint import dequantize_checkpoint, quantize_checkpoint
 from benchmark.common.process import free_port
 from benchmark.common.static_batch import (
     batch_context,
@@ -44,6 +53,7 @@ from benchmark.gpu.checks import (
     release,
 )
 from srt.distributed.parallel_state import init_parallel_state
+from srt.layers.quantization.fp8 import FP8_DTYPE
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
@@ -85,23 +95,32 @@ def hf_reference(path: str, device: str) -> tuple[list[torch.Tensor], list[list[
     return [torch.stack(rows) for rows in steps], tokens
 
 
-def srt_max_diff(runner, ctx, reference: list[torch.Tensor], tokens: list[list[int]]) -> float:
-    """Max |Δ logprob| over the steps; every decode step is fed HF's greedy tokens."""
+def srt_logprobs(runner, ctx, tokens: list[list[int]] | None = None):
+    """srt's log-probabilities per step ([prompts, vocab] on the host) at prefill and at each
+    of the decode steps, every step fed ``tokens`` (per prompt, one a step) or, if None, its own
+    greedy tokens; and the tokens fed."""
     ctx.req_to_token_pool.clear()
     ctx.allocator.clear()
     batch = make_batch(ctx, PROMPTS, DECODE_STEPS + 1)
     batch.prepare_for_extend()
-    worst = 0.0
+    steps, fed = [], [[] for _ in PROMPTS]
     for s in range(DECODE_STEPS + 1):
         if s:
             batch.prepare_for_decode()
         forward_batch = batch.to_forward_batch(runner)
         logits = runner.forward_step(forward_batch).next_token_logits.float()
-        ours = torch.log_softmax(logits, -1).cpu()
-        worst = max(worst, (ours - reference[s]).abs().max().item())
-        for req, seq in zip(batch.reqs, tokens):
-            req.output_ids.append(seq[s])
-    return worst
+        steps.append(torch.log_softmax(logits, -1).cpu())
+        for i, req in enumerate(batch.reqs):
+            token = int(steps[-1][i].argmax()) if tokens is None else tokens[i][s]
+            req.output_ids.append(token)
+            fed[i].append(token)
+    return steps, fed
+
+
+def srt_max_diff(runner, ctx, reference: list[torch.Tensor], tokens: list[list[int]]) -> float:
+    """Max |Δ logprob| over the steps; every decode step is fed the reference's tokens."""
+    steps, _ = srt_logprobs(runner, ctx, tokens)
+    return max((ours - ref).abs().max().item() for ours, ref in zip(steps, reference))
 
 
 def sbo_runner(path: str, device: str, dtype: str):
@@ -255,10 +274,108 @@ def check_nosync(args) -> list[str]:
     return failures
 
 
+FP8_MODELS = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+# W8A8 rounds every activation group to e4m3 (3 mantissa bits) before each fp8 GEMM, which the
+# dequantized reference does not; in these random tiny models that flips routing choices and
+# moves logprobs by nats (a torch emulation on CPU: max |Δ| 4.2 and 8.5, greedy 35/36 and
+# 28/36). So W8A8 is held only to most greedy tokens agreeing, which a wrong scale does not
+# keep (activations 25% off in the same emulation: 12/36 and 7/36). Weight-only is exact,
+# held to fp32's TOLERANCE.
+W8A8_MIN_SAME_GREEDY = 0.5
+
+
+@contextlib.contextmanager
+def weight_only_fp8() -> Iterator[None]:
+    """srt's fp8 Triton kernels on their weight-only path, what GPUs before sm89 run: both
+    places that ask ``uses_w8a8`` (the linear layers, the fused MoE) are answered no."""
+    from srt.layers.moe import fused_moe_triton_fp8
+    from srt.layers.quantization import fp8_triton
+
+    modules = (fp8_triton, fused_moe_triton_fp8)
+    saved = [m.uses_w8a8 for m in modules]
+    for m in modules:
+        m.uses_w8a8 = lambda device, capability=None: False
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.uses_w8a8 = fn
+
+
+def fp8_modes(device: str) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """The ways srt's fp8 layers multiply on ``device``, each with the context that runs it:
+    weight-only everywhere (the CPU kernels decode e4m3 in registers; on CUDA forced), and
+    W8A8 on GPUs with fp8 tensor cores (sm89+), their default."""
+    if device != "cuda":
+        return {"weight-only": contextlib.nullcontext}
+    from srt.layers.quantization.fp8_triton import uses_w8a8  # triton: CUDA machines only
+
+    modes = {"weight-only": weight_only_fp8}
+    if uses_w8a8(torch.device(device)):
+        modes["W8A8"] = contextlib.nullcontext
+    return modes
+
+
+def fp8_logprobs(fp8_dir: str, device: str, mode, tokens: list[list[int]]):
+    """The fp8 checkpoint's logprobs per step in float32 with CUDA graphs (the 4 prompts
+    padded to a bucket of 8), in ``mode``, fed ``tokens``."""
+    with mode():
+        runner, ctx = new_runner(fp8_dir, device, "float32", 8, 4096, cuda_graph_bs=GRAPH_BS)
+        try:
+            if not any(p.dtype == FP8_DTYPE for p in runner.model.parameters()):
+                raise CheckFailed(f"{fp8_dir} loaded without fp8 weights")
+            steps, _ = srt_logprobs(runner, ctx, tokens)
+            check_ran_as_asked(runner, "graphs")
+            return steps
+        finally:
+            del runner, ctx
+            release()
+
+
+def check_fp8(args) -> list[str]:
+    failures: list[str] = []
+    modes = fp8_modes(args.device)
+    print(
+        f"{'model':<17}{'mode':>12}{'max |Δ logprob|':>17}{'same greedy':>13}   block-FP8 "
+        f"(128 × 128) against its dequantized copy, fp32 activations; weight-only fails above "
+        f"{TOLERANCE:g}, W8A8 below {W8A8_MIN_SAME_GREEDY:.0%} same greedy"
+    )
+    models = ensure_tiny_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in FP8_MODELS:
+            fp8_dir = quantize_checkpoint(models[name], f"{tmp}/{name}-fp8", (128, 128))
+            dense_dir = dequantize_checkpoint(fp8_dir, f"{tmp}/{name}-dequantized")
+            # the reference: the dequantized copy, eager, its own greedy tokens
+            runner, ctx = new_runner(dense_dir, args.device, "float32", 4, 4096,
+                                     disable_cuda_graph=True)  # fmt: skip
+            reference, tokens = srt_logprobs(runner, ctx)
+            del runner, ctx
+            release()
+            expected = [seq[s] for s in range(DECODE_STEPS + 1) for seq in tokens]
+            for label, mode in modes.items():
+                steps = attempt(
+                    failures, f"{name} {label}", fp8_logprobs, fp8_dir, args.device, mode, tokens
+                )
+                if steps is None:
+                    print(f"{name:<17}{label:>12}{'ERROR':>17}", flush=True)
+                    continue
+                diff = max((ours - ref).abs().max().item() for ours, ref in zip(steps, reference))
+                greedy = [int(row.argmax()) for ours in steps for row in ours]
+                same = sum(a == b for a, b in zip(greedy, expected))
+                if label == "W8A8" and same < W8A8_MIN_SAME_GREEDY * len(expected):
+                    failures.append(f"{name} W8A8: {same}/{len(expected)} same greedy tokens")
+                elif label != "W8A8" and diff > TOLERANCE:
+                    failures.append(f"{name} {label}: {diff:.1e}")
+                cell = f"{same}/{len(expected)}"
+                print(f"{name:<17}{label:>12}{diff:>17.1e}{cell:>13}", flush=True)
+    return failures
+
+
 CHECKS = {
     "parity": ("step 3: fp32 parity with HF transformers", check_parity),
     "graphs": ("step 4: greedy tokens, CUDA graphs vs eager", check_graphs),
     "nosync": ("step 5: decode under forbid_host_sync", check_nosync),
+    "fp8": ("step 7a: block-FP8 against its dequantized weights", check_fp8),
 }
 
 

@@ -1,20 +1,24 @@
-"""The GPU figures of srt's decode step (``benchmark/gpu_check.sh``, step 6; ``docs/gpu.md``).
+"""The GPU figures of srt's decode step (``benchmark/gpu_check.sh``, steps 6 and 7b;
+``docs/gpu.md``).
 
 For one checkpoint (on a GPU, the 4-layer Qwen3-30B-A3B-shaped one of
-``make_random_model.py --preset qwen3-30b-a3b-4l``) and each batch size, through bench_one_batch's
-static batch (``benchmark.common.static_batch``: prefill of ``--input-len`` tokens, then
-``--output-len`` decode steps):
+``make_random_model.py --preset qwen3-30b-a3b-4l``, or its block-FP8 copy) and each batch
+size, through bench_one_batch's static batch (``benchmark.common.static_batch``: prefill of
+``--input-len`` tokens, then ``--output-len`` decode steps):
 
 - decode step ms, CUDA graphs on and off (``--disable-cuda-graph`` as the runner has it: the
   same weights decode without their graphs), and whether both decoded the same greedy tokens;
-- the memory floor: the bytes a decode step must read (the weights but the embedding table, of
-  the routed experts the share ``batch × top_k / experts`` capped at all of them, and the KV
-  cache the batch attends to) ÷ the copy bandwidth measured here, and step ÷ floor;
+- the memory floor: the bytes a decode step must read (the weights as stored, fp8 ones as
+  e4m3 bytes plus their float32 scales, but the embedding table, of the routed experts the
+  share ``batch × top_k / experts`` capped at all of them, and the KV cache the batch attends
+  to) ÷ the copy bandwidth measured here, and step ÷ floor;
 - from torch.profiler, per decode step: CUDA kernels, launch calls, host synchronisations
   (``cudaStreamSynchronize`` and kin), ``cudaMemcpyAsync`` calls and the device-busy share
   (kernel and copy time, overlaps merged, ÷ wall time), graphs on and off;
 - two-batch overlap forced on and off (``--moe-a2a-backend torch``) at ``--tbo-batch-size``;
-- srt vs HF transformers end to end (``hf_compare.compare_with_hf``, as ``--compare-hf``).
+- srt vs HF transformers end to end (``hf_compare.compare_with_hf``, as ``--compare-hf``);
+- with ``--baseline``, the decode figures beside those another run wrote (``--figures-json``):
+  the fp8 copy's beside bf16's.
 
 Every section prints as it finishes; one that fails prints FAIL and the others still run (exit
 status 1 if any failed). On CPU it runs too (``--device cpu --dtype float32`` with a tiny
@@ -27,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -38,6 +44,7 @@ from benchmark.common.hf_compare import compare_with_hf, load_hf_model
 from benchmark.common.static_batch import random_inputs, run_once
 from benchmark.gpu.checks import TBO_FLAGS, Report, check_ran_as_asked, new_runner, release
 from benchmark.gpu.decode_figures import copy_bandwidth, floor_bytes, profile_decode, sync
+from srt.layers.quantization.fp8 import FP8_DTYPE
 
 
 @contextlib.contextmanager
@@ -186,7 +193,8 @@ def main_runner(args):
     graphs = runner.graph_runner
     print(
         f"loaded in {time.perf_counter() - start:.1f} s: {runner.weight_bytes / 1e9:.2f} GB of "
-        f"weights ({runner.model_config.dtype}), attention {runner.server_args.attention_backend}"
+        f"weights ({weights_label(runner)}), activations {args.dtype}, attention "
+        f"{runner.server_args.attention_backend}"
         f", experts {expert_kernel(runner)}, CUDA graphs for "
         f"{graphs.batch_sizes if graphs is not None else 'none (eager only)'}"
     )
@@ -199,6 +207,57 @@ def expert_kernel(runner) -> str:
 
     experts = next((m for m in runner.model.modules() if isinstance(m, FusedMoE)), None)
     return "none" if experts is None else experts.kernel.value
+
+
+def weights_label(runner) -> str:
+    """How the weights are stored: ``fp8`` (block-FP8 linear layers and experts, e4m3 with
+    float32 scales; embeddings, LM head, norms and routers in the model's dtype) or the
+    model's dtype."""
+    if any(p.dtype == FP8_DTYPE for p in runner.model.parameters()):
+        return "fp8"
+    return str(runner.model_config.dtype).removeprefix("torch.")
+
+
+def write_figures(path: str, runner, bandwidth: float, figures: dict) -> None:
+    """The decode table's figures as JSON, for a later run's ``--baseline``."""
+    keys = ("graph_ms", "eager_ms", "floor_bytes", "floor_ms")
+    out = {
+        "weights": weights_label(runner),
+        "weight_bytes": runner.weight_bytes,
+        "bandwidth": bandwidth,
+        "batches": {str(bs): {k: r[k] for k in keys} for bs, r in figures.items()},
+    }
+    Path(path).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+
+
+def side_by_side(runner, figures: dict, baseline: dict) -> None:
+    """This run's decode figures under the baseline's (another run's ``--figures-json``), and
+    their ratios, this ÷ baseline, per batch size."""
+    ours = weights_label(runner)
+    theirs = baseline["weights"]
+    print(
+        f"{'batch':>5} {'weights':>9} {'graph ms':>9} {'eager ms':>9} {'floor GB':>9} "
+        f"{'floor ms':>9} {'graph/floor':>11}"
+    )
+    for bs, r in figures.items():
+        rows = {theirs: baseline["batches"].get(str(bs)), ours: r}
+        for label, f in rows.items():
+            if f is None:
+                print(f"{bs:>5} {label:>9}  (not measured)")
+                continue
+            print(
+                f"{bs:>5} {label:>9} {fmt(f['graph_ms']):>9} {fmt(f['eager_ms']):>9} "
+                f"{fmt(f['floor_bytes'] / 1e9, '.3f'):>9} {fmt(f['floor_ms'], '.3f'):>9} "
+                f"{fmt(f['graph_ms'] / f['floor_ms']):>11}"
+            )
+        base = rows[theirs]
+        if base is not None:
+            ratio = {k: r[k] / base[k] for k in ("graph_ms", "eager_ms", "floor_bytes")}
+            print(
+                f"{'':>5} {ours} / {theirs}: graph {ratio['graph_ms']:.2f}x, eager "
+                f"{ratio['eager_ms']:.2f}x, floor bytes {ratio['floor_bytes']:.2f}x",
+                flush=True,
+            )
 
 
 def parse_args() -> argparse.Namespace:
@@ -215,6 +274,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--skip", nargs="*", default=[], choices=["profile", "tbo", "hf"], help="sections"
+    )
+    parser.add_argument("--figures-json", help="write the decode table's figures to this file")
+    parser.add_argument(
+        "--baseline",
+        help="figures another run wrote with --figures-json, shown beside these (none if the "
+        "file is missing: that run failed or did not run)",
     )
     return parser.parse_args()
 
@@ -233,6 +298,15 @@ def main() -> int:
         return report.exit_status()  # nothing below runs without the runner
     with report.section(f"decode step (input {args.input_len}, {args.output_len} tokens)"):
         decode_table(args, runner, ctx, bandwidth, figures)
+        if args.figures_json:
+            write_figures(args.figures_json, runner, bandwidth, figures)
+    if args.baseline:
+        with report.section(f"decode step beside {args.baseline}"):
+            if not Path(args.baseline).exists():
+                print(f"no baseline figures: {args.baseline} was not written")
+            else:
+                baseline = json.loads(Path(args.baseline).read_text(encoding="utf-8"))
+                side_by_side(runner, figures, baseline)
     if "profile" not in args.skip:
         with report.section("profile"):
             profile_table(args, runner, ctx)

@@ -19,10 +19,12 @@ Deterministic. Presets:
 
 ``--quantization fp8`` writes any preset as a block-FP8 checkpoint in the published format
 (``benchmark/common/fp8_checkpoint.py``, 128 × 128 blocks; partial edge blocks where a dimension
-is no multiple of 128, as in ``small``, ``emulated`` and ``deepseek-v3``).
+is no multiple of 128, as in ``small``, ``emulated`` and ``deepseek-v3``); ``--fp8-copy DIR``
+keeps the unquantized checkpoint and writes such a copy of it beside (the GPU check's two).
 
     python benchmark/offline/make_random_model.py --out-dir DIR \
-        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l] [--quantization fp8]
+        [--preset emulated|small|deepseek-v3|qwen3-30b-a3b-4l] \
+        [--quantization fp8 | --fp8-copy FP8_DIR]
 """
 
 from __future__ import annotations
@@ -129,20 +131,28 @@ def make_mid_size_model(out_dir: str, preset: str = "mid", quantization: str | N
     if quantization is None:
         _write_model(out, preset)
         return str(out)
-    # Imported here: gpu_check.sh runs the plain path with only launch/ on the path.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as plain:  # beside out: same disk
+        _write_model(Path(plain), preset)
+        write_fp8_copy(plain, str(out))
+    return str(out)
+
+
+def write_fp8_copy(src_dir: str, dst_dir: str) -> str:
+    """Writes ``dst_dir`` (kept if already there), the block-FP8 copy of the unquantized
+    checkpoint ``src_dir`` in the published format: 128 × 128 blocks, the release's
+    ``modules_to_not_convert``. Returns ``dst_dir``."""
+    # Imported here: the plain path runs with only launch/ on the path.
     from benchmark.common.fp8_checkpoint import (
         published_modules_to_not_convert,
         quantize_checkpoint,
     )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as plain:  # beside out: same disk
-        _write_model(Path(plain), preset)
-        cfg = json.loads((Path(plain) / "config.json").read_text(encoding="utf-8"))
-        quantize_checkpoint(
-            plain, str(out), modules_to_not_convert=published_modules_to_not_convert(cfg)
-        )
-    return str(out)
+    if (Path(dst_dir) / "config.json").exists():
+        return dst_dir
+    cfg = json.loads((Path(src_dir) / "config.json").read_text(encoding="utf-8"))
+    skip = published_modules_to_not_convert(cfg)
+    return quantize_checkpoint(src_dir, dst_dir, modules_to_not_convert=skip)
 
 
 def _write_model(out: Path, preset: str) -> None:
@@ -170,8 +180,17 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--preset", choices=PRESETS, default="mid")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument(
+        "--fp8-copy",
+        metavar="DIR",
+        help="also write DIR, a block-FP8 copy of the checkpoint, once it is complete",
+    )
     args = parser.parse_args()
+    if args.fp8_copy and args.quantization:
+        parser.error("--fp8-copy copies an unquantized checkpoint: drop --quantization")
     print(make_mid_size_model(args.out_dir, args.preset, args.quantization))
+    if args.fp8_copy:
+        print(write_fp8_copy(args.out_dir, args.fp8_copy))
 
 
 if __name__ == "__main__":

@@ -210,3 +210,23 @@ def test_make_random_model_writes_fp8(preset, num_quantized, tmp_path):
     want, got = _hf_logits(plain), _hf_logits(ref)
     assert got.isfinite().all()
     assert torch.corrcoef(torch.stack([want.flatten(), got.flatten()]))[0, 1] > 0.9
+
+
+def test_make_random_model_fp8_copy(tmp_path, monkeypatch):
+    """``--fp8-copy`` keeps the checkpoint and writes beside it what ``--quantization fp8``
+    writes alone; with ``--quantization`` it is refused."""
+    from benchmark.offline import make_random_model
+
+    argv = ["make_random_model.py", "--preset", "small", "--out-dir", str(tmp_path / "plain")]
+    monkeypatch.setattr(sys, "argv", [*argv, "--fp8-copy", str(tmp_path / "copy")])
+    make_random_model.main()
+    fp8_dir = make_mid_size_model(str(tmp_path / "fp8"), "small", quantization="fp8")
+    assert "quantization_config" not in _config(tmp_path / "plain")
+    assert _config(tmp_path / "copy") == _config(fp8_dir)
+    copy, alone = _tensors(tmp_path / "copy"), _tensors(fp8_dir)
+    assert copy.keys() == alone.keys()
+    for key, tensor in copy.items():  # bit for bit (e4m3 NaNs compare as bytes)
+        assert torch.equal(tensor.view(torch.uint8), alone[key].view(torch.uint8)), key
+    monkeypatch.setattr(sys, "argv", [*argv, "--fp8-copy", "x", "--quantization", "fp8"])
+    with pytest.raises(SystemExit):
+        make_random_model.main()
