@@ -79,7 +79,7 @@ class TokenizerManager:
         self.control_replies: list[object] = []
         self.control_lock: asyncio.Lock | None = None
         self.handle_loop_task: asyncio.Task | None = None
-        self.metrics = TokenizerMetrics()
+        self.metrics = TokenizerMetrics(self.served_model_name)
         self.fatal_error: str | None = None  # set when a child process died or a rank failed
         self.loop: asyncio.AbstractEventLoop | None = None
         running = server_args.max_running_requests * server_args.num_running_groups
@@ -339,8 +339,13 @@ class TokenizerManager:
                 task.cancel()
 
     def abort_request(self, rid: str) -> None:
-        if rid in self.rid_to_state:
-            self.send_to_scheduler.send(AbortReq(rid))
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return
+        self.send_to_scheduler.send(AbortReq(rid))
+        if not (state.finished or state.abort_sent) and state.obj.log_metrics:
+            self.metrics.aborted.inc()  # once per request, as SGLang: on the abort's sending
+        state.abort_sent = True
 
     def close(self) -> None:
         """Close the sockets and their contexts (an open context blocks garbage collection)."""
