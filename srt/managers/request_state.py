@@ -39,6 +39,7 @@ class ReqState:
         self.last_time: float | None = None
         self.event = asyncio.Event()
         self.finished = False
+        self.abort_sent = False
         self.text, self.output_ids, self.finished_reason = "", [], None
         self.meta: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,

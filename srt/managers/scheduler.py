@@ -23,6 +23,7 @@ from srt.managers.schedule_policy import (
     SchedulePolicy,
 )
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
+from srt.managers.token_counts import TokenCounts
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
 from srt.server_args import ServerArgs
@@ -118,6 +119,7 @@ class Scheduler:
         )
         self.num_retracted_reqs = 0
         self.num_forward_steps = 0
+        self.token_counts = TokenCounts()  # for /metrics
         self.iteration_time: float | None = None  # begin_iteration's; None: this process's clock
         self.current_step = "start-up"  # what this rank is doing, for the watchdog
         self.enable_dp_attention = self.server_args.enable_dp_attention
@@ -305,6 +307,7 @@ class Scheduler:
         if not can_run:
             return None
         self.burst.record_prefill(shape.kind, sum(r.extend_input_len for r in can_run))
+        self.token_counts.on_prefill(can_run, self.chunked_req)
         admitted = {id(r) for r in can_run}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
         self.chunked_req = adder.new_chunked_req
@@ -350,6 +353,7 @@ class Scheduler:
             self.running_batch.filter_batch()
 
     def _count_decode_tokens(self, num_tokens: int) -> None:
+        self.token_counts.decode += num_tokens
         start, steps, tokens = self.gen_window
         steps, tokens, now = steps + 1, tokens + num_tokens, time.perf_counter()
         if steps >= GEN_THROUGHPUT_STEPS:
@@ -423,6 +427,7 @@ class Scheduler:
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
             "new_token_ratio": self.new_token_ratio.value,
+            **self.token_counts.state(),
             **self._overlap_step_counts(),
             "overlap": self._overlap_info(),
             # Read by SGLang's benchmark clients.

@@ -80,7 +80,8 @@ class TokenizerManager:
         self.control_lock: asyncio.Lock | None = None
         self.handle_loop_task: asyncio.Task | None = None
         # --enable-metrics: recorded for /metrics, else not at all
-        self.metrics = TokenizerMetrics() if server_args.enable_metrics else None
+        metrics = server_args.enable_metrics
+        self.metrics = TokenizerMetrics(self.served_model_name) if metrics else None
         self.fatal_error: str | None = None  # set when a child process died or a rank failed
         self.loop: asyncio.AbstractEventLoop | None = None
         running = server_args.max_running_requests * server_args.num_running_groups
@@ -341,8 +342,14 @@ class TokenizerManager:
                 task.cancel()
 
     def abort_request(self, rid: str) -> None:
-        if rid in self.rid_to_state:
-            self.send_to_scheduler.send(AbortReq(rid))
+        state = self.rid_to_state.get(rid)
+        if state is None:
+            return
+        self.send_to_scheduler.send(AbortReq(rid))
+        counted = self.metrics is not None and state.obj.log_metrics
+        if counted and not (state.finished or state.abort_sent):
+            self.metrics.aborted.inc()  # once per request, as SGLang: on the abort's sending
+        state.abort_sent = True
 
     def close(self) -> None:
         """Close the sockets and their contexts (an open context blocks garbage collection)."""

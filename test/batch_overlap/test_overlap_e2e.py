@@ -153,8 +153,9 @@ def test_http_server_with_auto_overlap(tiny_models, unsplit):
     served = sum(overlap["num_steps"].values())
     assert served == sum(n for key in ("num_tbo_steps", "num_non_tbo_steps")
                          for n in info["internal_states"][0][key].values()), info  # fmt: skip
-    assert 'srt:overlap_steps{kind="decode",mode="off"}' in metrics
-    assert "srt:overlap_step_seconds_estimate{" in metrics
+    model = f'model_name="{tiny_models["tiny-qwen3-moe"]}"'  # labels in name order
+    assert f'srt:overlap_steps{{kind="decode",mode="off",{model}}}' in metrics
+    assert "srt:overlap_step_seconds_estimate{bucket=" in metrics
 
 
 def _run_scheduler(path: str, prefill_threshold: int, decode_threshold: int) -> dict:

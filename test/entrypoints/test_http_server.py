@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import httpx
 import openai
 import pytest
 from helpers.http_client import generate, sse_data, stream_generate
 from helpers.server_process import ServerProcess, assert_pool_full, wait_idle
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 import srt
@@ -191,7 +191,11 @@ def test_health_model_info_and_flush(
     assert http.get("/no_such_route").status_code == 404
 
 
-def test_abort_request_ends_stream(http: httpx.Client, server: ServerProcess) -> None:
+def test_abort_request_ends_stream(
+    http: httpx.Client, server: ServerProcess, qwen3_moe_path: str
+) -> None:
+    aborted = "sglang:num_aborted_requests_total"
+    before = read_metrics(http, qwen3_moe_path)[aborted]
     body = {"text": PROMPTS[2], "rid": "to-abort", "stream": True}
     body["sampling_params"] = {"max_new_tokens": 1500, "ignore_eos": True}
     events = []
@@ -212,35 +216,58 @@ def test_abort_request_ends_stream(http: httpx.Client, server: ServerProcess) ->
     assert len(events[-1]["output_ids"]) < 1500
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
     assert_pool_full(wait_idle(server.url))
+    assert read_metrics(http, qwen3_moe_path)[aborted] == before + 1
 
 
-def metric_values(http: httpx.Client) -> dict[str, float]:
+def read_metrics(http: httpx.Client, model_name: str) -> dict[str, float]:
+    """/metrics parsed: sample name (its labels but model_name in braces, sorted) → value.
+    Every sample carries SGLang's model_name label: the served model name."""
     response = http.get("/metrics")
     assert response.status_code == 200
     values = {}
-    for line in response.text.splitlines():
-        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)", line)
-        if match:
-            values[match[1] + (match[2] or "")] = float(match[3])
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == model_name, sample
+            rest = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            values[sample.name + (f"{{{rest}}}" if rest else "")] = sample.value
     return values
 
 
-def test_metrics_grow(http: httpx.Client) -> None:
-    names = ["srt:prompt_tokens_total", "srt:generation_tokens_total"]
-    names += [
-        f"srt:{name}_seconds_count"
-        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency")
-    ]
-    before = metric_values(http)
-    stream_generate(http, text=PROMPTS[3], sampling_params={**GREEDY, "max_new_tokens": 6})
-    generate(http, text=PROMPTS[4], sampling_params={**GREEDY, "max_new_tokens": 4})
-    after = metric_values(http)
-    for name in names:
-        assert after[name] > before.get(name, 0.0), name
-    assert after["srt:generation_tokens_total"] - before["srt:generation_tokens_total"] == 10
-    for gauge in ("srt:num_running_reqs", "srt:num_queue_reqs", "srt:token_usage"):
-        assert gauge in after
-    assert after["srt:num_running_reqs"] == after["srt:num_queue_reqs"] == 0
+def test_metrics_under_sglang_names(http: httpx.Client, qwen3_moe_path: str) -> None:
+    """SGLang's metric names move by what the requests did: a streamed request, then the same
+    prompt again (a prefix-cache hit)."""
+    before = read_metrics(http, qwen3_moe_path)
+    prompt = "Metrics count the tokens of this prompt"
+    events = stream_generate(http, text=prompt, sampling_params={**GREEDY, "max_new_tokens": 6})
+    again = generate(http, text=prompt, sampling_params={**GREEDY, "max_new_tokens": 4})
+    metas = [events[-1]["meta_info"], again["meta_info"]]
+    after = read_metrics(http, qwen3_moe_path)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    prompt_tokens = sum(m["prompt_tokens"] for m in metas)
+    cached = sum(m["cached_tokens"] for m in metas)
+    assert metas[1]["cached_tokens"] == metas[1]["prompt_tokens"] - 1
+    assert grew("sglang:prompt_tokens_total") == prompt_tokens
+    assert grew("sglang:generation_tokens_total") == 10
+    assert grew("sglang:cached_tokens_total") == cached
+    assert grew("sglang:num_requests_total") == 2
+    assert grew("sglang:e2e_request_latency_seconds_count") == 2
+    # latencies between tokens are known for the streamed request only: its 6 tokens
+    assert grew("sglang:time_to_first_token_seconds_count") == 1
+    assert grew("sglang:inter_token_latency_seconds_count") == 5
+    assert grew("sglang:realtime_tokens_total{mode=prefill_cache}") == cached
+    assert grew("sglang:realtime_tokens_total{mode=prefill_compute}") == prompt_tokens - cached
+    assert grew("sglang:realtime_tokens_total{mode=decode}") == 5 + 3
+    # the last prefill was the repeated prompt: all but its last token from the cache
+    hit_rate = metas[1]["cached_tokens"] / metas[1]["prompt_tokens"]
+    assert after["sglang:cache_hit_rate"] == pytest.approx(hit_rate)
+    assert after["sglang:num_running_reqs"] == after["sglang:num_queue_reqs"] == 0
+    assert after["sglang:num_used_tokens"] == after["sglang:token_usage"] == 0  # idle
+    assert after["sglang:max_total_num_tokens"] == 4096
+    assert after["sglang:gen_throughput"] >= 0
 
 
 def _server_children(server: ServerProcess) -> list[int]:

@@ -108,7 +108,8 @@ def test_full_queue_answers_503_and_the_server_recovers(qwen3_moe_path: str) -> 
             assert http.get("/ready").status_code == 200
             assert http.post("/generate", json=short).json()["meta_info"]["completion_tokens"] == 3
             metrics = http.get("/metrics").text
-            assert "srt:num_rejected_requests_total 4.0" in metrics, metrics
+            rejected = f'srt:num_rejected_requests_total{{model_name="{qwen3_moe_path}"}} 4.0'
+            assert rejected in metrics, metrics
         assert_pool_full(internal_state(server.url))
 
 

@@ -52,8 +52,9 @@ def test_warm_up_leaves_no_trace_and_sigterm_stops_cleanly(qwen3_moe_path: str) 
         assert_pool_full(state)
         assert state["num_evictable_tokens"] == 0, state
         metrics = httpx.get(server.url + "/metrics").text.splitlines()
-        for name in ("srt:prompt_tokens_total", "srt:generation_tokens_total"):
-            assert f"{name} 0.0" in metrics, name
+        labels = f'{{model_name="{qwen3_moe_path}"}}'
+        for name in ("sglang:prompt_tokens_total", "sglang:generation_tokens_total"):
+            assert f"{name}{labels} 0.0" in metrics, name
         body = {"text": WARMUP_TEXT, "sampling_params": {"max_new_tokens": 2}}
         response = httpx.post(server.url + "/generate", json=body, timeout=60.0)
         assert response.json()["meta_info"]["cached_tokens"] == 0  # flushed after the warm-up

@@ -164,6 +164,26 @@ def test_abort_running_waiting_and_chunked(qwen3_moe_path):
     assert state["num_running_reqs"] == 0 and state["num_protected_tokens"] == 0
 
 
+def test_token_counts_split_prefill_into_cache_hits_and_computed(qwen3_moe_path):
+    """What /metrics reports as cache_hit_rate and realtime_tokens: a chunked prompt's later
+    chunks are computed tokens, not hits on its own earlier chunks; the same prompt again
+    computes only its last token."""
+    args = ServerArgs(model_path=qwen3_moe_path, max_total_tokens=512, chunked_prefill_size=8)
+    scheduler = Scheduler(args)
+    prompt = make_prompts(1, seed=5)[0][:3] + [1] * 17  # 20 tokens: chunks of 8, 8 and 4
+    scheduler.add_request(tokenized("a", prompt))
+    run_until_idle(scheduler)
+    state = scheduler.get_internal_state()
+    assert state["num_prefill_compute_tokens"] == 20 and state["num_prefill_cache_tokens"] == 0
+    assert (state["last_prefill_cache_tokens"], state["last_prefill_compute_tokens"]) == (0, 4)
+    scheduler.add_request(tokenized("b", prompt))
+    run_until_idle(scheduler)
+    state = scheduler.get_internal_state()
+    assert state["num_prefill_compute_tokens"] == 21 and state["num_prefill_cache_tokens"] == 19
+    assert (state["last_prefill_cache_tokens"], state["last_prefill_compute_tokens"]) == (19, 1)
+    assert state["num_decode_tokens"] == 2 * 7  # 8 new tokens each, the first from the prefill
+
+
 def test_too_long_input_is_aborted(qwen3_moe_path):
     scheduler = Scheduler(ServerArgs(model_path=qwen3_moe_path, max_total_tokens=64))
     scheduler.add_request(tokenized("long", list(range(3, 100))))
