@@ -36,7 +36,7 @@ from srt.server_args_choices import (
     TOOL_CALL_PARSER_CHOICES,
     VALUE_ALIASES,
 )
-from srt.server_args_debug import DebugArgs, apply_env_aliases
+from srt.server_args_debug import DebugArgs, apply_env_aliases, check_logging
 from srt.server_args_model import ModelArgs
 from srt.server_args_overlap import OverlapArgs, _arg
 
@@ -373,6 +373,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.1
         self._resolve_batch_limits()
         check_ranges(self)
+        check_logging(self)
         check_parallel(self)
         check_overlap(self)
         resolve_burst_prefill(self)

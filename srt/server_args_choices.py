@@ -29,6 +29,7 @@ OVERLAP_MODE_CHOICES = ["off", "tbo", "sbo", "dbo", "auto"]
 TOOL_CALL_PARSER_CHOICES = ["qwen", "qwen25"]  # SGLang's names of the Qwen 2.5 / 3 format
 GRAMMAR_BACKEND_CHOICES = ["xgrammar", "none"]
 LOG_LEVEL_CHOICES = ["debug", "info", "warning", "error"]
+LOG_REQUESTS_LEVEL_CHOICES = [0, 1, 2, 3]  # --log-requests-level: SGLang's levels
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128  # SGLang's default
 # A burst has arrived once no request came for this long (BurstPolicy, --prefill-burst-hold-ms).

@@ -1,5 +1,6 @@
 """The logging, metrics and debugging flags of ``ServerArgs``, a dataclass of their own that
-``ServerArgs`` extends, and the one table of environment variables srt reads as their aliases.
+``ServerArgs`` extends, their checks, and the one table of environment variables srt reads as
+their aliases.
 
 An environment variable sets its flag's field when the flag was left at its default (an
 explicit flag wins); ``ServerArgs.check_and_resolve`` applies the table once, right after
@@ -12,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from srt.server_args_choices import LOG_LEVEL_CHOICES
+from srt.server_args_choices import LOG_LEVEL_CHOICES, LOG_REQUESTS_LEVEL_CHOICES
 from srt.server_args_overlap import _arg
+
+DEFAULT_LOG_REQUESTS_LEVEL = 2  # SGLang's: the prompt and output, cut to 2048 characters
 
 
 class EnvAlias(NamedTuple):
@@ -46,6 +49,33 @@ class DebugArgs:
             "recorded and /metrics answers 404.",
         ),
     )
+    decode_log_interval: int = field(
+        default=40,
+        metadata=_arg(
+            "logging",
+            "Log a 'Decode batch' line (running requests, KV tokens in use, generation "
+            "throughput) every this many decoding steps; also the window of "
+            "last_gen_throughput in /get_server_info.",
+        ),
+    )
+    log_requests: bool = field(
+        default=False,
+        metadata=_arg(
+            "logging",
+            "Log one line per request received and one per request finished (id, token "
+            "counts, finish reason, latency); --log-requests-level says what else.",
+        ),
+    )
+    log_requests_level: int | None = field(
+        default=None,
+        metadata=_arg(
+            "logging",
+            "With --log-requests: 0 metadata only; 1 also the sampling parameters; 2 also the "
+            "prompt and the output, each cut to 2048 characters (or token ids); 3 also the "
+            "whole prompt and output. Default 2. A request sent with no_logs logs level 0.",
+            choices=LOG_REQUESTS_LEVEL_CHOICES,
+        ),
+    )
     stream_trace_dir: str | None = field(
         default=None,
         metadata=_arg(
@@ -64,6 +94,22 @@ class DebugArgs:
             "(also: environment SRT_FORBID_HOST_SYNC=1).",
         ),
     )
+
+
+def check_logging(args: DebugArgs) -> None:
+    """Refuse logging flags out of range or without the flag they refine; resolve the
+    default of --log-requests-level."""
+    if args.decode_log_interval < 1:
+        raise ValueError(f"--decode-log-interval: must be ≥ 1, got {args.decode_log_interval}")
+    level = args.log_requests_level
+    if level is not None and level not in LOG_REQUESTS_LEVEL_CHOICES:
+        raise ValueError(
+            f"--log-requests-level: must be one of {LOG_REQUESTS_LEVEL_CHOICES}, got {level}"
+        )
+    if level is not None and not args.log_requests:
+        raise ValueError("--log-requests-level: needs --log-requests")
+    if args.log_requests and level is None:
+        args.log_requests_level = DEFAULT_LOG_REQUESTS_LEVEL
 
 
 def apply_env_aliases(args: object, environ: Mapping[str, str] = os.environ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from srt.server_args import ServerArgs
 from srt.server_args_debug import ENV_ALIASES, apply_env_aliases
 
@@ -58,3 +60,32 @@ def test_no_other_module_reads_the_aliased_variables():
         if f'"{alias.variable}"' in path.read_text()
     }
     assert readers == {"server_args_debug.py"}
+
+
+def test_the_logging_flags_on_the_command_line():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--model-path", "m", "--device", "cpu", "--decode-log-interval", "4", "--log-requests"]
+    a = ServerArgs.from_cli_args(parser.parse_args([*argv, "--log-requests-level", "0"]))
+    assert (a.decode_log_interval, a.log_requests, a.log_requests_level) == (4, True, 0)
+    with pytest.raises(SystemExit):  # argparse: "invalid choice"
+        parser.parse_args([*argv, "--log-requests-level", "4"])
+
+
+def test_the_logging_defaults():
+    a = args()
+    assert (a.decode_log_interval, a.log_requests, a.log_requests_level) == (40, False, None)
+    assert args(log_requests=True).log_requests_level == 2  # SGLang's default
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"decode_log_interval": 0}, "--decode-log-interval: must be ≥ 1, got 0"),
+        ({"log_requests": True, "log_requests_level": 4}, "--log-requests-level: must be one of"),
+        ({"log_requests_level": 1}, "--log-requests-level: needs --log-requests"),
+    ],
+)
+def test_bad_logging_flags_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        args(**kwargs)

@@ -1,7 +1,8 @@
 """Scheduler: one iteration = pick a batch (prefill first, else decode), run it, process it.
 
 Composed of small parts: SchedulePolicy + PrefillAdder (admission), ScheduleBatch (bookkeeping
-and retraction), the cache tree (RadixCache or ChunkCache) and SchedulerOutputProcessor.
+and retraction), the cache tree (RadixCache or ChunkCache), SchedulerOutputProcessor and the
+batch log (SchedulerBatchLog).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from srt.managers.schedule_policy import (
     PrefillShape,
     SchedulePolicy,
 )
+from srt.managers.scheduler_batch_log import SchedulerBatchLog
 from srt.managers.scheduler_output_processor import SchedulerOutputProcessor
 from srt.managers.token_counts import TokenCounts
 from srt.mem_cache.chunk_cache import ChunkCache
@@ -29,7 +31,6 @@ from srt.mem_cache.radix_cache import RadixCache
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-GEN_THROUGHPUT_STEPS = 40  # decode steps per last_gen_throughput window, as SGLang's log
 
 
 def max_req_len(context_len: int, max_total_tokens: int) -> int:
@@ -58,7 +59,7 @@ def check_request_length(req: Req, context_len: int, max_total_tokens: int) -> s
     return None
 
 
-class Scheduler:
+class Scheduler(SchedulerBatchLog):
     """``parallel``: this rank's groups under tensor parallelism (default: one rank). Every rank
     runs the same schedule on the same messages, so their batches stay identical."""
 
@@ -124,14 +125,8 @@ class Scheduler:
         self.current_step = "start-up"  # what this rank is doing, for the watchdog
         self.enable_dp_attention = self.server_args.enable_dp_attention
         self.dp_rank = self.model_runner.parallel.attn_dp_rank
-        # Decode tokens per second over the last GEN_THROUGHPUT_STEPS decode steps.
-        self.last_gen_throughput = 0.0
         self.grammar_backend: GrammarBackend | None = None  # made by the first constrained request
-        self.gen_window: tuple[float, int, int] = (
-            time.perf_counter(),
-            0,
-            0,
-        )  # start, steps, tokens
+        self._init_batch_log()
 
     # ------------------------------------------------------------------ time
     def begin_iteration(self, now: float) -> None:
@@ -310,7 +305,8 @@ class Scheduler:
         self.token_counts.on_prefill(can_run, self.chunked_req)
         admitted = {id(r) for r in can_run}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        self.chunked_req = adder.new_chunked_req
+        continued, self.chunked_req = self.chunked_req, adder.new_chunked_req
+        self.log_prefill_batch(can_run, continued)
         for req in can_run:
             if not req.has_started:
                 req.cached_tokens, req.has_started = len(req.prefix_indices), True
@@ -346,20 +342,11 @@ class Scheduler:
             new_running = [r for r in batch.reqs if not r.finished() and r is not chunked]
             self.running_batch.reqs.extend(new_running)
             if batch.num_mixed_decode:
-                self._count_decode_tokens(batch.num_mixed_decode)
+                self.count_decode_step(batch.num_mixed_decode)
         else:
             self.output_processor.process_decode(batch, logits_output, next_ids)
-            self._count_decode_tokens(len(batch.reqs))
+            self.count_decode_step(len(batch.reqs))
             self.running_batch.filter_batch()
-
-    def _count_decode_tokens(self, num_tokens: int) -> None:
-        self.token_counts.decode += num_tokens
-        start, steps, tokens = self.gen_window
-        steps, tokens, now = steps + 1, tokens + num_tokens, time.perf_counter()
-        if steps >= GEN_THROUGHPUT_STEPS:
-            self.last_gen_throughput = tokens / max(now - start, 1e-9)
-            start, steps, tokens = now, 0, 0
-        self.gen_window = (start, steps, tokens)
 
     # ------------------------------------------------------------------ state
     def load(self) -> tuple[int, int]:

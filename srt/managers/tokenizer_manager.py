@@ -26,6 +26,7 @@ from srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from srt.managers.metrics import TokenizerMetrics
+from srt.managers.request_log import RequestLog
 from srt.managers.request_state import ReqState
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -82,6 +83,8 @@ class TokenizerManager:
         # --enable-metrics: recorded for /metrics, else not at all
         metrics = server_args.enable_metrics
         self.metrics = TokenizerMetrics(self.served_model_name) if metrics else None
+        level = server_args.log_requests_level
+        self.request_log = RequestLog(level) if server_args.log_requests else None
         self.fatal_error: str | None = None  # set when a child process died or a rank failed
         self.loop: asyncio.AbstractEventLoop | None = None
         running = server_args.max_running_requests * server_args.num_running_groups
@@ -166,7 +169,7 @@ class TokenizerManager:
             except GeneratorExit:  # closed before its outputs were awaited
                 for state in states:
                     self.abort_request(state.obj.rid)
-                    self.rid_to_state.pop(state.obj.rid, None)
+                    self._forget(state)
                 raise
         if obj.is_single:
             async for out in self._wait_one(states[0], request):
@@ -271,7 +274,15 @@ class TokenizerManager:
         self.rid_to_state[obj.rid] = state
         stream_trace.record("submitted", [obj.rid], [0])
         self.send_to_scheduler.send(tokenized)
+        if self.request_log is not None:
+            self.request_log.received(state)
         return state
+
+    def _forget(self, state: ReqState) -> None:
+        """Drop a request's state once its caller is done with it (finished or not)."""
+        dropped = self.rid_to_state.pop(state.obj.rid, None) is not None
+        if dropped and not state.finished and self.request_log is not None:
+            self.request_log.finished(state)
 
     async def _wait_one(self, state: ReqState, request: Any) -> AsyncIterator[dict]:
         try:
@@ -302,7 +313,7 @@ class TokenizerManager:
             self.abort_request(state.obj.rid)
             raise
         finally:
-            self.rid_to_state.pop(state.obj.rid, None)
+            self._forget(state)
 
     async def _final(self, state: ReqState, request: Any) -> dict:
         result = None
@@ -440,6 +451,8 @@ class TokenizerManager:
             if self.metrics is not None and state.obj.log_metrics:
                 self.metrics.observe(state, out, i, now)
             state.update(out, i)
+            if state.finished and self.request_log is not None:
+                self.request_log.finished(state)
             state.event.set()
 
 

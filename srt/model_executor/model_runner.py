@@ -130,6 +130,7 @@ class ModelRunner:
         if server_args.enable_operation_profile:
             self.set_operation_observer(OperationObserver())
         self.graph_runner: CudaGraphRunner | None = None
+        self.last_step_replayed_graph = False  # the last forward_step replayed a CUDA graph
         if self.step_overlap.policy is not None:
             calibrate(self)  # --overlap-mode auto: measure every mode before serving
         if self._can_capture_graphs():
@@ -241,6 +242,7 @@ class ModelRunner:
         attention none anywhere)."""
         proposal = None if forward_batch is None else plan_split(forward_batch, self.split_config)
         overlap = self.step_overlap
+        self.last_step_replayed_graph = False
         if not self.dp_attention:
             if forward_batch is None:
                 return None
@@ -286,6 +288,7 @@ class ModelRunner:
         """DP attention: this rank's batch (None: its group is idle) from bucket's graph."""
         with self._sync_guard():
             out = self.graph_runner.replay(forward_batch, bucket)
+        self.last_step_replayed_graph = True
         graph = self.graph_runner.graphs[bucket].batch
         self.step_counts[(graph.split.mode, "decode" if forward_batch else "idle")] += 1
         return out
@@ -294,6 +297,7 @@ class ModelRunner:
         graphs = self.graph_runner
         if graphs is not None and not self.dp_attention and graphs.can_run(forward_batch):
             out = graphs.replay(forward_batch)
+            self.last_step_replayed_graph = True
         else:
             self.prepare_forward(forward_batch)
             self.step_overlap.start()

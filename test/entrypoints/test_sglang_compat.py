@@ -2,7 +2,8 @@
 (native backend), the SGLang frontend (``gen``, ``select``) and bench_one_batch_server send;
 /server_info and /model_info; the SGLang and OpenAI extras srt implements (n, logit_bias,
 echo, stop_regex, no_stop_trim, stream_interval, return_text_in_logprobs, structured output)
-and cached-token reports; every unimplemented field refused by name when set."""
+and cached-token reports; every unimplemented field refused by name when set; SGLang's batch log
+lines and --log-requests while benchmark/serving/bench_serving.py runs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from helpers.batch_log import decode_lines, prefill_lines
 from helpers.http_client import generate, stream_generate
 from helpers.server_process import ServerProcess, assert_pool_full, running_server, wait_idle
+
+from benchmark.serving import bench_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("print_server_log")]
 
@@ -24,8 +28,10 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(qwen3_moe_path: str) -> Iterator[ServerProcess]:
     """JSON constraints with at most one whitespace character in a row (a random model
-    otherwise fills them with whitespace until max_new_tokens); Qwen tool calls parsed."""
+    otherwise fills them with whitespace until max_new_tokens); Qwen tool calls parsed; a
+    decode log line every 4 steps and every request logged without its content."""
     args = ("--constrained-json-max-whitespace-cnt", "1", "--tool-call-parser", "qwen25")
+    args += ("--decode-log-interval", "4", "--log-requests", "--log-requests-level", "0")
     with running_server(qwen3_moe_path, *args) as srv:
         yield srv
 
@@ -380,3 +386,35 @@ def test_tools_need_a_parser_or_none(http: httpx.Client, model: str) -> None:
     assert auto.json()["choices"][0]["finish_reason"] in ("stop", "length")
     off = http.post("/v1/chat/completions", json={**body, "tool_choice": "none", "max_tokens": 3})
     assert off.status_code == 200 and "tool_calls" not in off.json()["choices"][0]["message"]
+
+
+FINISH_LINE = re.compile(
+    r"Finish: rid='\w+', prompt_tokens=(\d+), completion_tokens=(\d+), cached_tokens=\d+, "
+    r"finish_reason=\{'type': 'length', 'length': 8\}, latency=\d+\.\d{3}$",
+    re.M,
+)
+
+
+def test_logs_under_bench_serving(server: ServerProcess) -> None:
+    """SGLang's batch lines while bench_serving runs: every prompt token computed or
+    found in the cache, a decode line within 4 steps; one received and one finished line per
+    request, with its token counts and no content (level 0)."""
+    start = server.log_size()
+    args = bench_serving.parse_args(
+        [
+            *("--backend", "sglang", "--base-url", server.url, "--num-prompts", "4"),
+            *("--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "1"),
+            *("--warmup-requests", "0", "--disable-tqdm"),
+        ]
+    )
+    result = bench_serving.run_benchmark(args)
+    assert result["completed"] == 4
+    wait_idle(server.url)
+    log = server.log(start)
+    prefills, decodes = prefill_lines(log), decode_lines(log)
+    assert sum(new + cached for _, new, cached, *_ in prefills) == result["total_input_tokens"]
+    assert decodes and all(1 <= running <= 4 for running, *_ in decodes), log
+    finished = sorted((int(m[1]), int(m[2])) for m in FINISH_LINE.finditer(log))
+    assert finished == sorted(zip(result["input_lens"], result["output_lens"])), log
+    assert log.count("Receive: rid=") == 4
+    assert "input_ids=" not in log and "text=" not in log and "sampling_params=" not in log
