@@ -86,14 +86,17 @@ def metrics_status(enable_metrics: bool) -> int:
 
     async def internal_state() -> list[dict]:
         await asyncio.sleep(0)
-        keys = ("num_running_reqs", "num_waiting_reqs", "token_usage")
-        return [{**dict.fromkeys(keys, 0), "max_total_num_tokens": 16}]
+        keys = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_retracted_reqs",
+                "last_prefill_cache_tokens", "last_prefill_compute_tokens",
+                "num_prefill_compute_tokens", "num_prefill_cache_tokens", "num_decode_tokens")
+        gauges = {"max_total_num_tokens": 16, "last_gen_throughput": 0.0, "new_token_ratio": 0.5}
+        return [{**dict.fromkeys(keys, 0), **gauges}]
 
-    tm = SimpleNamespace(metrics=TokenizerMetrics(), get_internal_state=internal_state)
+    tm = SimpleNamespace(metrics=TokenizerMetrics("m"), get_internal_state=internal_state)
     app = FastAPI()
     add_native_routes(app, tm, args, {})
     response = TestClient(app).get("/metrics")
-    assert response.status_code != 200 or "srt:num_requests_total" in response.text
+    assert response.status_code != 200 or "sglang:num_requests_total" in response.text
     return response.status_code
 
 
