@@ -111,7 +111,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
             "Run the running requests' decode in the same batch as a prefill (one mixed "
             "batch) instead of in a step of its own after it; the prefill's budget "
             "(--chunked-prefill-size, --max-prefill-tokens) leaves room for their tokens. "
-            "On by default on CPU without an overlap mode (docs/benchmarks.md, round 17); "
+            "On by default on CPU without an overlap mode (docs/benchmarks.md); "
             "--disable-mixed-chunk turns it off.",
         ),
     )
@@ -271,7 +271,9 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
     port: int = field(default=30000, metadata=_arg("server", "Port to listen on."))
     api_key: str | None = field(
         default=None,
-        metadata=_arg("server", "Require 'Authorization: Bearer KEY' on every route but /health."),
+        metadata=_arg(
+            "server", "Require 'Authorization: Bearer KEY' on every route but /health and /ready."
+        ),
     )
     served_model_name: str | None = field(
         default=None, metadata=_arg("server", "Model name on the OpenAI API; default: the path.")

@@ -63,7 +63,7 @@ def choose_expert_kernel(
     those oneDNN's kernel on packed weights (``srt.layers.linear.pack_weight``), which streams
     them several times faster.
 
-    GPU: ``torch._grouped_mm`` takes bf16 on sm90 and newer (12× the loop on an H100 for one
+    GPU: ``torch._grouped_mm`` takes bf16 on sm90 and sm100 (12× the loop on an H100 for one
     layer's gate/up, 512 rows × 128 experts); other dtypes and devices take the Triton kernel.
     Neither synchronises with the host."""
     align = 16 // dtype.itemsize
