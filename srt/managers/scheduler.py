@@ -305,8 +305,8 @@ class Scheduler(SchedulerBatchLog):
         self.token_counts.on_prefill(can_run, self.chunked_req)
         admitted = {id(r) for r in can_run}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        continued, self.chunked_req = self.chunked_req, adder.new_chunked_req
-        self.log_prefill_batch(can_run, continued)
+        self.chunked_req = adder.new_chunked_req
+        self.log_prefill_batch(len(can_run))
         for req in can_run:
             if not req.has_started:
                 req.cached_tokens, req.has_started = len(req.prefix_indices), True

@@ -24,8 +24,6 @@ from __future__ import annotations
 import logging
 import time
 
-from srt.managers.schedule_batch import Req
-
 logger = logging.getLogger(__name__)
 
 
@@ -47,17 +45,16 @@ class SchedulerBatchLog:
         used = self.max_total_num_tokens - free - evictable
         return used, used / self.max_total_num_tokens
 
-    def log_prefill_batch(self, can_run: list[Req], continued: Req | None) -> None:
-        """After admission (the waiting queue and the chunked request updated), before the
-        batch's KV is allocated. ``continued``: the chunked request whose next chunk the
-        batch carries (its computed prefix is no cache hit)."""
+    def log_prefill_batch(self, num_reqs: int) -> None:
+        """After admission (the waiting queue and the chunked request updated, the batch's
+        tokens counted by ``token_counts.on_prefill``), before the batch's KV is allocated."""
         now = time.perf_counter()
-        new_tokens = sum(r.extend_input_len for r in can_run)
+        counts = self.token_counts
+        new_tokens, cached = counts.last_prefill_compute, counts.last_prefill_cache
         throughput = new_tokens / max(now - self.last_prefill_log_time, 1e-9)
         self.last_prefill_log_time = now
         if not self.writes_batch_log or not logger.isEnabledFor(logging.INFO):
             return
-        cached = sum(len(r.prefix_indices) for r in can_run if r is not continued)
         pending = sum(len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue)
         chunked = self.chunked_req
         if chunked is not None:
@@ -68,7 +65,7 @@ class SchedulerBatchLog:
             "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d, #pending-token: %d, %s: False, "
             "input throughput (token/s): %.2f",
-            len(can_run),
+            num_reqs,
             new_tokens,
             cached,
             usage,
