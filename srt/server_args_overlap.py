@@ -68,7 +68,8 @@ class OverlapArgs:
             "overlap",
             "Inside one batch, launch the MoE combine block by block as the experts' "
             "down-projections finish, and run shared experts while the dispatch is in flight "
-            "(--overlap-mode sbo). Needs --moe-a2a-backend torch (any --deepep-mode).",
+            "(--overlap-mode sbo). Needs --moe-a2a-backend torch with --tp-size > 1 (any "
+            "--deepep-mode).",
         ),
     )
     enable_dbo: bool = field(

@@ -253,12 +253,20 @@ def exit_on_signals(signums=(signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _cluster_name(prefix: str, ns: str) -> re.Match | None:
+    return re.fullmatch(rf"{re.escape(prefix)}-(\d+)-\d+-(\d+|hub)", ns)
+
+
+def cluster_namespaces(prefix: str = DEFAULT_PREFIX) -> set[str]:
+    """The namespaces named by this module (nodes and hubs of any process's clusters)."""
+    return {ns for ns in list_namespaces() if _cluster_name(prefix, ns)}
+
+
 def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Delete namespaces named by this module whose creating process is gone (after SIGKILL)."""
     removed = []
-    for ns in list_namespaces():
-        m = re.fullmatch(rf"{re.escape(prefix)}-(\d+)-\d+-(\d+|hub)", ns)
-        if not m or is_running(int(m.group(1))):
+    for ns in sorted(cluster_namespaces(prefix)):
+        if is_running(int(_cluster_name(prefix, ns).group(1))):
             continue
         kill_netns_pids(ns)
         with contextlib.suppress(RuntimeError):

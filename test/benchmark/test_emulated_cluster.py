@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from benchmark.cluster import emulated_cluster, emulated_serving
-from benchmark.common.netns import list_namespaces, netns_available
+from benchmark.cluster.emulated_network import cluster_namespaces
+from benchmark.common.netns import netns_available
 
 NUMBER = r"-?\d+\.\d{3}"  # summary_line's "{:.3f}": no nan, no inf
 SUMMARY = re.compile(
@@ -40,13 +41,13 @@ def test_quick_run_cleans_up(tmp_path, qwen3_moe_path):
         "--serving-output-len", "8", "--serving-runs", "1", "--out-dir", str(tmp_path),
         "--timeout", "240",
     ]  # fmt: skip
+    before = cluster_namespaces()  # a run killed earlier may have left its own behind
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert SUMMARY.fullmatch(summary), summary
     assert (tmp_path / "results.md").exists()
-    left = [ns for ns in list_namespaces() if re.match(r"srtnet-\d+-\d+", ns)]
-    assert left == [], left  # nodes, hub, links
+    assert cluster_namespaces() - before == set()  # nodes, hub, links
     leftovers = subprocess.run(
         ["pgrep", "-f", f"{qwen3_moe_path}.*--nnodes 2"], capture_output=True, text=True
     ).stdout
