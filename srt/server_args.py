@@ -400,7 +400,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
     def mixes_decode_into_prefill(self) -> bool:
         """Whether a prefill carries the running requests' decode (a MIXED batch): as
         --enable-mixed-chunk / --disable-mixed-chunk say, else on CPU without an overlap mode
-        (docs/benchmarks.md, round 17)."""
+        (docs/benchmarks_history.md, round 17)."""
         if self.enable_mixed_chunk or self.disable_mixed_chunk:
             return self.enable_mixed_chunk
         return self.device == "cpu" and self.overlap_mode == "off"

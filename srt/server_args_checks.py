@@ -115,7 +115,7 @@ def resolve_burst_prefill(args: ServerArgs) -> None:
     """--burst-chunk-size and --wave-prefill. The spread's chunk defaults to
     DEFAULT_BURST_CHUNK_SIZE on CPU where a prefill batch holds more, never under an overlap
     mode (it runs mixed batches unsplit); the wave defaults to on where the spread does (the
-    two were measured together, docs/benchmarks.md round 18) and a wave can exceed a batch.
+    two were measured together, docs/benchmarks_history.md, round 18) and a wave can exceed a batch.
     Explicit values must do something: a chunk under a batch, a wave budget above one."""
     batch = args.prefill_batch_tokens
     plain_cpu = args.device == "cpu" and args.overlap_mode == "off"

@@ -26,7 +26,7 @@ arrives, the front end's busiest moment. On 2 cores (small model, one 128-token 
 15 requests decoding) it took 3.8 ms on both cores offline and 4.5 ms on one; serving 16
 streams, 5-13 ms on both (up to 9.5 ms of it waiting for a core), 4.0-4.6 ms on one. A lone
 prompt arriving with the rest of a burst took 16-22 ms on both, 5-9 ms on one
-(``docs/benchmarks.md``, round 19). More prompts, or a larger model, keep every core.
+(``docs/benchmarks_history.md``, round 19). More prompts, or a larger model, keep every core.
 """
 
 from __future__ import annotations
