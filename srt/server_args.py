@@ -37,14 +37,15 @@ from srt.server_args_choices import (
     VALUE_ALIASES,
 )
 from srt.server_args_debug import DebugArgs, apply_env_aliases, check_logging
+from srt.server_args_eplb import EplbArgs, check_eplb, check_eplb_against_model
 from srt.server_args_model import ModelArgs
 from srt.server_args_overlap import OverlapArgs, _arg
 
 
 @dataclass
-class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
-    """Every flag: the model's, the overlap and the logging ones (``ModelArgs``,
-    ``OverlapArgs``, ``DebugArgs``), then these."""
+class ServerArgs(DebugArgs, EplbArgs, OverlapArgs, ModelArgs):
+    """Every flag: the model's, the overlap, the expert-placement and the logging ones
+    (``ModelArgs``, ``OverlapArgs``, ``EplbArgs``, ``DebugArgs``), then these."""
 
     # Kernels and CUDA graphs
     attention_backend: str = field(
@@ -378,6 +379,7 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         check_logging(self)
         check_parallel(self)
         check_overlap(self)
+        check_eplb(self)
         resolve_burst_prefill(self)
         check_cuda_graphs(self)
 
@@ -451,12 +453,14 @@ class ServerArgs(DebugArgs, OverlapArgs, ModelArgs):
         """What needs the model's config: experts, heads and MLP sizes must split over the
         ranks. Raised at start-up, before any rank process starts."""
         check_model_layout(self, hf_config)
+        check_eplb_against_model(self, hf_config)
 
     # ----------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         groups: dict[str, argparse._ArgumentGroup] = {}
-        later = [{f.name for f in dataclasses.fields(base)} for base in (OverlapArgs, DebugArgs)]
+        bases = (OverlapArgs, EplbArgs, DebugArgs)
+        later = [{f.name for f in dataclasses.fields(base)} for base in bases]
         # the base classes' flags (their fields come first) after the others in --help
         order = lambda f: next((i + 1 for i, names in enumerate(later) if f.name in names), 0)
         for f in sorted(dataclasses.fields(ServerArgs), key=order):

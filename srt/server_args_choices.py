@@ -40,3 +40,5 @@ NO_DEEPEP = (
     "--moe-a2a-backend deepep: srt has no DeepEP dispatcher yet; --moe-a2a-backend torch runs "
     "DeepEP's normal / low_latency / auto modes (--deepep-mode) over torch.distributed"
 )
+
+INIT_EXPERT_LOCATION_TRIVIAL = "trivial"  # --init-expert-location: slots in expert order

@@ -165,6 +165,28 @@ def add_native_routes(
             return Response("Cache flushed.\n", status_code=200)
         return error_response("Cache not flushed: requests are running.", 400)
 
+    async def expert_distribution(action: str, done: str) -> Response:
+        try:
+            counts = await tm.expert_distribution(action)
+        except ValueError as e:
+            return error_response(str(e))
+        if counts is None:
+            return Response(done, status_code=200)
+        return json_response({"logical_count": counts})
+
+    # SGLang's expert-distribution routes; the dump is what --init-expert-location reads.
+    @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    async def start_expert_distribution_record() -> Response:
+        return await expert_distribution("start", "Expert distribution recording started.\n")
+
+    @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    async def stop_expert_distribution_record() -> Response:
+        return await expert_distribution("stop", "Expert distribution recording stopped.\n")
+
+    @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    async def dump_expert_distribution_record() -> Response:
+        return await expert_distribution("dump", "")
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         try:

@@ -198,6 +198,17 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class ExpertDistributionReq:
+    action: str  # start | stop | dump (the /…_expert_distribution_record routes)
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    logical_count: list | None  # dump: this DP group's [layers, experts] counts
+    error: str | None = None
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

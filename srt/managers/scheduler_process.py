@@ -34,6 +34,8 @@ from srt.layers.overlap.single_batch_overlap import SmSplit
 from srt.managers.io_struct import (
     AbortReq,
     DpLoadReport,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -113,6 +115,8 @@ class SchedulerLoop:
             self.reply(FlushCacheReqOutput(sched.flush_cache()))
         elif isinstance(msg, GetInternalStateReq):
             self.reply(GetInternalStateReqOutput(sched.get_internal_state()))
+        elif isinstance(msg, ExpertDistributionReq):
+            self.reply(expert_distribution(sched.model_runner.expert_recorder, msg.action))
         else:
             raise TypeError(f"scheduler received an unknown message {type(msg).__name__}")
 
@@ -145,6 +149,20 @@ class SchedulerLoop:
             if sched.num_forward_steps != steps and sched.is_idle():
                 # As SGLang: a leak is a bug that must stop the server, not go unnoticed.
                 sched.check_memory(check_duplicates=False)
+
+
+def expert_distribution(recorder, action: str) -> ExpertDistributionReqOutput:
+    """Start, stop or dump the expert-distribution recorder (every rank of the group at this
+    message: a dump sums the group's counts)."""
+    if recorder is None:
+        return ExpertDistributionReqOutput(None, "the model has no MoE layer to record")
+    if action == "dump":
+        return ExpertDistributionReqOutput(recorder.dump())
+    if action == "start":
+        recorder.start()
+    else:
+        recorder.stop()
+    return ExpertDistributionReqOutput(None)
 
 
 def init_rank_parallel_state(

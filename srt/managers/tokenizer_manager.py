@@ -17,6 +17,8 @@ from srt.constrained.grammar import check_grammar, grammar_spec
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -388,6 +390,18 @@ class TokenizerManager:
     async def flush_cache(self) -> bool:
         replies = await self._control(FlushCacheReq(), FlushCacheReqOutput)
         return all(r.success for r in replies)
+
+    async def expert_distribution(self, action: str) -> list[list[int]] | None:
+        """Start, stop or dump (→ ``logical_count`` [layers, experts], summed over the DP
+        groups) the expert-distribution recorder; ValueError when the model has none."""
+        reply = ExpertDistributionReqOutput
+        replies = await self._control(ExpertDistributionReq(action), reply)
+        if replies[0].error:
+            raise ValueError(replies[0].error)
+        if action != "dump":
+            return None
+        counts = [r.logical_count for r in replies]
+        return [[sum(col) for col in zip(*rows)] for rows in zip(*counts)]
 
     async def get_internal_state(self) -> list[dict]:
         """One state per attention-DP group, ordered by dp_rank."""

@@ -32,10 +32,13 @@ from srt.batch_overlap.two_batch_overlap import run_layers_overlapped, with_chil
 from srt.batch_overlap.ubatching import UBatchWrapper
 from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
+from srt.eplb.expert_distribution import ExpertDistributionRecorder
+from srt.eplb.expert_location import expert_location_from_args, model_experts
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.cpu_preparation import prepare_for_cpu
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.layers.moe.moe_block import SparseMoeBlock
 from srt.layers.overlap.operations import OperationObserver
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -182,10 +185,24 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         torch.manual_seed(self.server_args.random_seed)
-        options = ModelOptions.from_server_args(self.server_args)
+        location = expert_location_from_args(self.server_args, self.model_config.hf_config)
+        options = ModelOptions.from_server_args(self.server_args, location)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
+        self.expert_recorder = self._attach_recorder()
         if self.device.type == "cpu":
             prepare_for_cpu(self.model)  # weight layouts and C kernels (``cpu_preparation``)
+
+    def _attach_recorder(self) -> ExpertDistributionRecorder | None:
+        """The expert-distribution recorder of the model's MoE blocks, set on each of them
+        (None for a model without one)."""
+        layers, experts, _ = model_experts(self.model_config.hf_config)
+        blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+        if not experts or not blocks:
+            return None
+        recorder = ExpertDistributionRecorder(layers, experts, self.parallel)
+        for block in blocks:
+            block.recorder = recorder
+        return recorder
 
     def _make_kv_pool(self, size: int) -> KVCache:
         cfg, dtype = self.model_config.hf_config, self.model_config.kv_cache_dtype

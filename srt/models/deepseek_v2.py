@@ -209,6 +209,7 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
                 h,
                 config.moe_intermediate_size,
                 topk,
+                layer_id,
                 shared_intermediate_size=config.moe_intermediate_size
                 * (config.n_shared_experts or 0),
             )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.distributed.parallel_state import ParallelState
+from srt.eplb.expert_location import ExpertLocation
 from srt.layers.communicator import LayerCommunicator, MlpMode
 from srt.layers.dp_attention import DpRowsGather
 from srt.layers.layernorm import RMSNorm
@@ -51,9 +52,12 @@ class ModelOptions:
     enable_single_batch_overlap: bool = False
     sbo_num_blocks: int | None = None  # None: default_num_blocks(local experts)
     sbo_communication_sms: int | None = None  # CUDA only; None: SmSplit's default
+    expert_location: ExpertLocation | None = None  # None: each rank a contiguous slice
 
     @classmethod
-    def from_server_args(cls, server_args) -> ModelOptions:
+    def from_server_args(
+        cls, server_args, expert_location: ExpertLocation | None = None
+    ) -> ModelOptions:
         return cls(
             server_args.deepep_mode,
             server_args.max_dispatch_tokens_per_rank,
@@ -62,6 +66,7 @@ class ModelOptions:
             "sbo" in server_args.overlap_modes,
             server_args.sbo_num_blocks,
             server_args.sbo_communication_sms,
+            expert_location,
         )
 
 
@@ -104,22 +109,39 @@ class ModelContext:
         hidden_size: int,
         intermediate_size: int,
         topk_config: TopKConfig,
+        layer_id: int,
         shared_intermediate_size: int = 0,
     ) -> SparseMoeBlock:
-        p = self.parallel
+        """``num_experts`` logical experts; with an expert location (EPLB), its slots of
+        layer ``layer_id`` on this rank, the router's choices mapped onto them."""
+        p, location = self.parallel, self.options.expert_location
+        local_experts, dispatch_map, slots = None, None, num_experts
+        if location is not None:
+            slots = location.num_physical
+            local_experts = location.local_experts(layer_id, p.moe_ep_rank)
+            dispatch_map = location.dispatch_map(layer_id, p.moe_ep_rank)
         experts = FusedMoE(
-            num_experts,
+            slots,
             hidden_size,
             intermediate_size,
             *(p.moe_ep_rank, p.moe_ep_size, p.moe_tp_rank, p.moe_tp_size),
+            local_experts=local_experts,
         )
         shared = None
         if shared_intermediate_size:
             tp = (0, 1) if self.a2a_backend != "none" else (p.tp_rank, p.tp_size)
             shared = GatedMLP(hidden_size, shared_intermediate_size, *tp)
-        dispatchers = self._dispatchers(num_experts, topk_config.top_k, hidden_size)
+        dispatchers = self._dispatchers(slots, topk_config.top_k, hidden_size)
         return SparseMoeBlock(
-            gate, experts, topk_config, dispatchers, shared, p.attn_tp_size, self.comm_meter
+            gate,
+            experts,
+            topk_config,
+            dispatchers,
+            shared,
+            p.attn_tp_size,
+            self.comm_meter,
+            None if dispatch_map is None else dispatch_map.to(p.device),
+            layer_id,
         )
 
     def _dispatchers(self, num_experts: int, top_k: int, hidden_size: int) -> list[TokenDispatcher]:

@@ -89,6 +89,7 @@ class Qwen3MoeDecoderLayer(MoEDecoderLayer):
                 h,
                 config.moe_intermediate_size,
                 TopKConfig(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
+                layer_id,
             )
         else:
             self.mlp = ctx.dense_mlp(h, config.intermediate_size)

@@ -27,7 +27,8 @@ class ExpertPanels(NamedTuple):
 
 
 class FusedMoE(nn.Module):
-    """Experts ``[start, start + num_local)`` of ``num_experts``, weights stacked:
+    """Experts ``[start, start + num_local)`` of ``num_experts`` (with EPLB: expert slots,
+    each holding the checkpoint expert ``local_experts`` names), weights stacked:
     ``w13_weight`` [E_local, 2·I, H] (gate | up) and ``w2_weight`` [E_local, H, I].
 
     Expert TP (``tp_size > 1``): each rank holds the ``I / tp_size`` slice ``tp_rank`` of every
@@ -43,6 +44,7 @@ class FusedMoE(nn.Module):
         ep_size: int = 1,
         tp_rank: int = 0,
         tp_size: int = 1,
+        local_experts: list[int] | None = None,
     ):
         super().__init__()
         if num_experts % ep_size:
@@ -54,6 +56,8 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
         self.start = ep_rank * self.num_local_experts
+        # EPLB: the checkpoint's expert each local slot holds (None: expert start + slot)
+        self.local_experts = local_experts
         self.tp_rank, self.tp_size = tp_rank, tp_size
         intermediate_size //= tp_size
         self.intermediate_size = intermediate_size
@@ -122,9 +126,18 @@ class FusedMoE(nn.Module):
     ) -> None:
         """One expert's gate (``w1``), up (``w3``) or down (``w2``) projection, or its per-row
         scales: this rank's slice of it, sized by the parameter's shape."""
+        if self.local_experts is not None:
+            for local, held in enumerate(self.local_experts):
+                if held == expert_id:  # every local copy of it
+                    self._load_local(param, loaded, name, shard_id, local)
+            return
         local = expert_id - self.start
-        if not 0 <= local < self.num_local_experts:
-            return  # another rank's expert
+        if 0 <= local < self.num_local_experts:  # else another rank's expert
+            self._load_local(param, loaded, name, shard_id, local)
+
+    def _load_local(
+        self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: str, local: int
+    ) -> None:
         dim = 1 if shard_id == "w2" else 0  # w1/w3 [I, H], w2 [H, I] (scales: [., K / G])
         i = param.shape[2] if shard_id == "w2" else param.shape[1] // 2
         if self.tp_size > 1 and loaded.shape[dim] == i * self.tp_size:

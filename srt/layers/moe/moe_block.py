@@ -16,6 +16,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from srt.eplb.expert_distribution import ExpertDistributionRecorder
+from srt.eplb.expert_location import ExpertDispatchMap
 from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.linear import linear, pack_weight
 from srt.layers.moe.blocked_experts import BlockedProjection
@@ -63,6 +65,8 @@ class SparseMoeBlock(nn.Module):
         shared_experts: nn.Module | None = None,
         attn_tp_size: int = 1,
         comm_meter: CommMeter | None = None,
+        dispatch_map: ExpertDispatchMap | None = None,
+        layer_id: int = 0,
     ):
         super().__init__()
         self.gate = gate
@@ -72,6 +76,9 @@ class SparseMoeBlock(nn.Module):
         self.dispatchers = tuple(dispatchers)
         self.attn_tp_size = attn_tp_size  # each rank dispatches 1/attn_tp of its group's tokens
         self.comm_meter = comm_meter or CommMeter()  # shared by a model's MoE layers
+        self.dispatch_map = dispatch_map  # EPLB: logical → physical ids, None: the same
+        self.layer_id = layer_id
+        self.recorder: ExpertDistributionRecorder | None = None  # set by the model runner
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The block as one call, for a model written without operation lists: its operations
@@ -95,9 +102,12 @@ class SparseMoeBlock(nn.Module):
 
     def op_select_experts(self, state: LayerState) -> None:
         logits = state.pop("router_logits")
-        state.put(
-            topk_output=select_experts(logits, self.topk_config, self.gate.e_score_correction_bias)
-        )
+        weights, ids = select_experts(logits, self.topk_config, self.gate.e_score_correction_bias)
+        if self.recorder is not None and self.recorder.active:
+            self.recorder.record(self.layer_id, ids)
+        if self.dispatch_map is not None:
+            ids = self.dispatch_map(ids)
+        state.put(topk_output=(weights, ids))
 
     def op_dispatch_a(self, state: LayerState) -> None:
         hidden = state.get("mlp_input") if self.shared_experts else state.pop("mlp_input")

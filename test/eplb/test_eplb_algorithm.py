@@ -1,4 +1,4 @@
-"""The EPLB placement algorithm (``srt.layers.moe.eplb.algorithm``): hand-worked placements,
+"""The EPLB placement algorithm (``srt.eplb.algorithm``): hand-worked placements,
 the maps' invariants over seeded random loads, the balance it reaches against the trivial
 placement, the hierarchical policy keeping each expert group on one node, and bad input."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.layers.moe.eplb.algorithm import (
+from srt.eplb.algorithm import (
     ExpertPlacement,
     imbalance,
     rank_load,

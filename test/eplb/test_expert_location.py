@@ -1,0 +1,118 @@
+"""The expert location: the placement the flags ask for (trivial, a file's placement, a file's
+recorded load balanced), the map a MoE block applies (copies take rows evenly, the same rows
+every time), experts loaded into every slot that holds them, and bad input refused naming the
+flag."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from launch_server import parse_args
+
+from srt.eplb.algorithm import imbalance, rank_load
+from srt.eplb.expert_location import ExpertLocation, expert_location_from_args
+from srt.layers.moe.fused_moe import FusedMoE
+from srt.server_args import ServerArgs
+
+PLAIN = ["--model-path", "m", "--device", "cpu", "--attention-backend", "torch_native"]
+EP2 = ["--tp", "2", "--moe-a2a-backend", "torch"]
+CONFIG = SimpleNamespace(num_hidden_layers=2, num_experts=4)
+
+
+def args(*argv: str) -> ServerArgs:
+    return parse_args([*PLAIN, *argv])
+
+
+def test_the_map_spreads_an_experts_rows_over_its_copies():
+    # 4 experts, 6 slots on 2 ranks: expert 0 in slots 0 and 3, expert 2 in 2 and 5
+    location = ExpertLocation.from_physical(torch.tensor([[0, 1, 2, 0, 3, 2]]), 4, 2)
+    assert location.local_experts(0, 0) == [0, 1, 2] and location.local_experts(0, 1) == [0, 3, 2]
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3], [2, 0]])
+    rank0 = location.dispatch_map(0, 0)
+    assert rank0(ids).tolist() == [[0, 1], [3, 5], [0, 4], [5, 3]]
+    assert rank0(ids).tolist() == rank0(ids).tolist()  # a pure function of the rows
+    rank1 = location.dispatch_map(0, 1)  # another rank starts on the other copy
+    assert rank1(ids[:1]).tolist() == [[3, 1]]
+    hot = rank0(torch.zeros(100, 1, dtype=torch.long))
+    assert torch.bincount(hot.flatten()).tolist() == [50, 0, 0, 50]
+
+
+def test_the_identity_needs_no_map():
+    assert ExpertLocation.trivial(2, 4, 0, 2).dispatch_map(1, 0) is None
+    with_copies = ExpertLocation.trivial(2, 4, 2, 2)
+    assert with_copies.local_experts(0, 1) == [3, 0, 1]  # slot s holds expert s % 4
+    assert with_copies.dispatch_map(0, 0) is not None
+
+
+def test_a_slot_loads_the_expert_it_holds():
+    moe = FusedMoE(6, 4, 2, ep_rank=1, ep_size=2, local_experts=[0, 3, 0])
+    for e in range(4):
+        for shard in ("w1", "w3", "w2"):
+            shape = (4, 2) if shard == "w2" else (2, 4)
+            param = moe.w2_weight if shard == "w2" else moe.w13_weight
+            moe.weight_loader(param, torch.full(shape, float(e)), "w", shard, e)
+    assert moe.w13_weight[:, 0, 0].tolist() == [0.0, 3.0, 0.0]
+    assert moe.w2_weight[:, 0, 0].tolist() == [0.0, 3.0, 0.0]
+
+
+def test_the_flags_make_the_placement(tmp_path):
+    assert expert_location_from_args(args(*EP2), CONFIG) is None
+    trivial = expert_location_from_args(args(*EP2, "--ep-num-redundant-experts", "2"), CONFIG)
+    assert trivial.num_physical == 6
+    rows = [[3, 2, 1, 0], [0, 1, 2, 3]]
+    given = tmp_path / "p.json"
+    given.write_text(json.dumps({"physical_to_logical_map": rows}))
+    location = expert_location_from_args(args(*EP2, "--init-expert-location", str(given)), CONFIG)
+    assert location.placement.physical_to_logical.tolist() == rows
+    load = torch.tensor([[40.0, 30.0, 20.0, 10.0], [1.0, 1.0, 1.0, 1.0]])
+    recorded = tmp_path / "load.pt"
+    torch.save({"logical_count": load}, recorded)
+    flags = (*EP2, "--ep-num-redundant-experts", "2", "--init-expert-location", str(recorded))
+    balanced = expert_location_from_args(args(*flags), CONFIG)
+    assert (balanced.placement.logical_replica_count[0] > 1).sum() >= 1  # the hot one copied
+    before = imbalance(rank_load(trivial.placement, load))
+    after = imbalance(rank_load(balanced.placement, load))
+    assert after[0] < before[0] and after[0] == 1.0
+    # where DeepSeek's greedy loses to the trivial placement (3 copies of 90 on 2 ranks), the
+    # trivial one is kept
+    torch.save({"logical_count": torch.tensor([[90.0, 5.0, 3.0, 2.0]] * 2)}, recorded)
+    kept = expert_location_from_args(args(*flags), CONFIG)
+    assert (
+        kept.placement.physical_to_logical.tolist()
+        == trivial.placement.physical_to_logical.tolist()
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ep-num-redundant-experts", "2"], "--ep-num-redundant-experts: expert placement needs"),
+        ([*EP2, "--ep-num-redundant-experts", "1"], "split evenly over the 2 EP ranks"),
+        ([*EP2, "--ep-num-redundant-experts", "-2"], "must be ≥ 0"),
+        ([*EP2, "--init-expert-location", "/nonexistent.json"], "no such file"),
+    ],
+)
+def test_bad_flags_are_refused(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        args(*argv)
+    assert match in capsys.readouterr().err
+
+
+def test_a_file_for_another_model_is_refused(tmp_path):
+    wrong = tmp_path / "w.json"
+    wrong.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3]]}))
+    with pytest.raises(ValueError, match=r"--init-expert-location .*is \(1, 4\).*need \(2, 4\)"):
+        args(*EP2, "--init-expert-location", str(wrong)).check_against_model(CONFIG)
+    torch.save({"logical_count": torch.ones(2, 8)}, tmp_path / "l.pt")
+    with pytest.raises(ValueError, match="logical_count is \\(2, 8\\), this model has \\(2, 4\\)"):
+        args(*EP2, "--init-expert-location", str(tmp_path / "l.pt")).check_against_model(CONFIG)
+    missing = tmp_path / "m.json"
+    missing.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 2], [0, 1, 2, 3]]}))
+    with pytest.raises(ValueError, match="layer 0 places no copy of experts \\[3\\]"):
+        args(*EP2, "--init-expert-location", str(missing)).check_against_model(CONFIG)
+    dense = SimpleNamespace(num_hidden_layers=2)
+    with pytest.raises(ValueError, match="not a MoE model"):
+        args(*EP2, "--ep-num-redundant-experts", "2").check_against_model(dense)
