@@ -1,5 +1,5 @@
-"""The expert-placement flags of ``ServerArgs`` (SGLang's spellings), a dataclass of their own
-that ``ServerArgs`` extends, and their checks: with the flags alone (``check_eplb``) and
+"""The expert-placement (EPLB) flags of ``ServerArgs`` (SGLang's spellings), a dataclass of
+their own that ``ServerArgs`` extends, and their checks: with the flags alone (``check_eplb``) and
 against the model (``check_eplb_against_model``). The placement they ask for is built by
 ``srt.eplb.expert_location.expert_location_from_args``."""
 
@@ -36,16 +36,42 @@ class EplbArgs:
         ),
     )
 
+    enable_eplb: bool = field(
+        default=False,
+        metadata=_arg(
+            "expert placement",
+            "Rebalance the experts while serving: every --eplb-rebalance-num-iterations "
+            "forward steps, a placement balanced for the load routed since the last one, the "
+            "weights moved between the EP ranks (docs/eplb.md). Needs --moe-a2a-backend torch.",
+        ),
+    )
+    eplb_rebalance_num_iterations: int = field(
+        default=1000,
+        metadata=_arg("expert placement", "--enable-eplb: forward steps between two rebalances."),
+    )
+
 
 def check_eplb(args: Any) -> None:
     """The flags alone: redundant experts need expert parallelism and must split evenly."""
-    n = args.ep_num_redundant_experts
-    asked = n != 0 or args.init_expert_location != TRIVIAL
+    n, every = args.ep_num_redundant_experts, args.eplb_rebalance_num_iterations
     if n < 0:
         raise ValueError(f"--ep-num-redundant-experts {n}: must be ≥ 0")
+    if every < 1:
+        raise ValueError(f"--eplb-rebalance-num-iterations {every}: must be ≥ 1")
+    if every != 1000 and not args.enable_eplb:
+        raise ValueError("--eplb-rebalance-num-iterations needs --enable-eplb")
+    asked = [
+        flag
+        for flag, on in (
+            ("--enable-eplb", args.enable_eplb),
+            ("--ep-num-redundant-experts", n != 0),
+            ("--init-expert-location", args.init_expert_location != TRIVIAL),
+        )
+        if on
+    ]
     if not asked:
         return
-    flag = "--ep-num-redundant-experts" if n else "--init-expert-location"
+    flag = asked[0]
     if args.moe_a2a_backend != "torch" or args.tp_size < 2:
         raise ValueError(
             f"{flag}: expert placement needs expert parallelism (--moe-a2a-backend torch "
@@ -63,10 +89,8 @@ def check_eplb(args: Any) -> None:
 
 
 def check_eplb_against_model(args: Any, hf_config: Any) -> None:
-    """Redundant experts need a MoE model; a placement file must fit its shape (read here,
+    """Expert placement needs a MoE model; a placement file must fit its shape (read here,
     at start-up, so that a wrong file fails before any rank starts)."""
     from srt.eplb.expert_location import expert_location_from_args
 
-    if args.ep_num_redundant_experts == 0 and args.init_expert_location == TRIVIAL:
-        return
     expert_location_from_args(args, hf_config)  # raises, naming the flag

@@ -28,16 +28,33 @@ class ExpertDistributionRecorder:
         self.group = parallel.attn_tp.cpu_group if parallel.attn_tp_size > 1 else None
         self.recording = False
         self.stopped: torch.Tensor | None = None  # what stop kept, until the next start
+        self.window: torch.Tensor | None = None  # --enable-eplb: counts since the last rebalance
 
     @property
     def active(self) -> bool:
         """Whether a MoE block records this step's routing."""
-        return self.counts_here and (self.recording or self.always)
+        return self.counts_here and (self.recording or self.always or self.window is not None)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer's [T, k] logical choices."""
         ids = topk_ids.flatten()
-        self.counts[layer].index_add_(0, ids, torch.ones_like(ids))
+        ones = torch.ones_like(ids)
+        if self.recording or self.always:
+            self.counts[layer].index_add_(0, ids, ones)
+        if self.window is not None:
+            self.window[layer].index_add_(0, ids, ones)
+
+    def keep_window(self) -> None:
+        """Count into a window of its own too, which ``take_window`` empties (``--enable-eplb``:
+        the routes' recording stays the user's)."""
+        self.window = torch.zeros_like(self.counts)
+
+    def take_window(self) -> torch.Tensor:
+        """This rank's counts since the last take, on the host; the window starts again."""
+        counts = self.window.cpu()  # a copy on CUDA; on CPU the clone below makes it one
+        counts = counts.clone() if counts is self.window else counts
+        self.window.zero_()
+        return counts
 
     def start(self) -> None:
         self.counts.zero_()

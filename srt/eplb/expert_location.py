@@ -42,6 +42,26 @@ class ExpertDispatchMap:
         self.table, self.counts = logical_to_physical, counts  # [E, R] slots, [E] how many
         self.offset = offset  # the EP rank: ranks with one token each start on other copies
 
+    @classmethod
+    def for_placement(cls, placement: ExpertPlacement, layer: int, offset: int, width: int):
+        """Layer ``layer``'s map, its table ``width`` copies wide (-1 past an expert's last,
+        never read), so that ``update`` can write any later placement into the same tensors."""
+        table = torch.full((placement.logical_to_physical.shape[1], width), -1, dtype=torch.long)
+        dispatch_map = cls(table, torch.zeros(table.shape[0], dtype=torch.long), offset)
+        dispatch_map.update(placement, layer)
+        return dispatch_map
+
+    def update(self, placement: ExpertPlacement, layer: int) -> None:
+        """In place (a captured CUDA graph keeps reading these tensors): ``placement``'s map."""
+        l2p = placement.logical_to_physical[layer]
+        if l2p.shape[1] > self.table.shape[1]:
+            raise ValueError(
+                f"{l2p.shape[1]} copies of an expert: the map holds at most {self.table.shape[1]}"
+            )
+        self.table.fill_(-1)
+        self.table[:, : l2p.shape[1]].copy_(l2p)
+        self.counts.copy_(placement.logical_replica_count[layer])
+
     def to(self, device: torch.device | str) -> ExpertDispatchMap:
         self.table, self.counts = self.table.to(device), self.counts.to(device)
         return self
@@ -91,16 +111,22 @@ class ExpertLocation:
         n = self.placement.slots_per_rank
         return self.placement.physical_to_logical[layer, ep_rank * n : (ep_rank + 1) * n].tolist()
 
-    def dispatch_map(self, layer: int, ep_rank: int) -> ExpertDispatchMap | None:
-        """The layer's map, None where it is the identity (nothing to apply)."""
+    def dispatch_map(
+        self, layer: int, ep_rank: int, live: bool = False
+    ) -> ExpertDispatchMap | None:
+        """The layer's map, None where it is the identity (nothing to apply) unless ``live``
+        (``--enable-eplb``: the placement changes while serving, so every layer has one, wide
+        enough for any placement)."""
         p2l = self.placement.physical_to_logical[layer]
-        if self.num_physical == self.num_logical and bool(
-            (p2l == torch.arange(self.num_logical)).all()
+        if (
+            not live
+            and self.num_physical == self.num_logical
+            and bool((p2l == torch.arange(self.num_logical)).all())
         ):
             return None
-        placement = self.placement
-        return ExpertDispatchMap(
-            placement.logical_to_physical[layer], placement.logical_replica_count[layer], ep_rank
+        width = self.num_physical - self.num_logical + 1 if live else None
+        return ExpertDispatchMap.for_placement(
+            self.placement, layer, ep_rank, width or self.placement.logical_to_physical.shape[2]
         )
 
 
@@ -138,14 +164,17 @@ def balanced_physical(load: torch.Tensor, slots: int, ep_size: int, groups: int,
 
 
 def expert_location_from_args(args: Any, hf_config: Any) -> ExpertLocation | None:
-    """The placement ``--ep-num-redundant-experts`` and ``--init-expert-location`` ask for,
-    None without them; a ValueError naming the flag when it cannot be made for this model."""
+    """The placement ``--ep-num-redundant-experts`` and ``--init-expert-location`` ask for
+    (``--enable-eplb`` starts from it), None without any of them; a ValueError naming the
+    flag when it cannot be made for this model."""
     redundant, source = args.ep_num_redundant_experts, args.init_expert_location
-    if redundant == 0 and source == INIT_EXPERT_LOCATION_TRIVIAL:
+    if redundant == 0 and source == INIT_EXPERT_LOCATION_TRIVIAL and not args.enable_eplb:
         return None
     layers, experts, groups = model_experts(hf_config)
     if not experts:
-        raise ValueError("--ep-num-redundant-experts / --init-expert-location: not a MoE model")
+        raise ValueError(
+            "--enable-eplb / --ep-num-redundant-experts / --init-expert-location: not a MoE model"
+        )
     ep_size = args.parallel_config.moe_ep_size
     if source == INIT_EXPERT_LOCATION_TRIVIAL:
         return ExpertLocation.trivial(layers, experts, redundant, ep_size)

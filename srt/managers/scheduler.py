@@ -395,6 +395,7 @@ class Scheduler(SchedulerBatchLog):
     def get_internal_state(self) -> dict:
         pool = self.model_runner.token_to_kv_pool
         free, evictable = self.ctx.allocator.available_size(), self.tree_cache.evictable_size()
+        eplb = self.model_runner.eplb
         return {
             "dp_rank": self.dp_rank,
             "num_running_reqs": len(self.running_batch.reqs),
@@ -413,6 +414,7 @@ class Scheduler(SchedulerBatchLog):
             "num_spread_prefill_batches": self.burst.num_spread_batches,
             "num_forward_steps": self.num_forward_steps,
             "num_idle_forward_steps": self.model_runner.num_idle_forward_steps,
+            "num_eplb_rebalances": 0 if eplb is None else eplb.num_rebalances,
             "new_token_ratio": self.new_token_ratio.value,
             **self.token_counts.state(),
             **self._overlap_step_counts(),

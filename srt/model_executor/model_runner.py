@@ -46,6 +46,7 @@ from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPoo
 from srt.model_executor.cpu_threads import CpuThreads
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
+from srt.model_executor.eplb_manager import EplbManager
 from srt.model_executor.forward_batch_info import (
     AttnPart,
     ForwardBatch,
@@ -189,6 +190,14 @@ class ModelRunner:
         options = ModelOptions.from_server_args(self.server_args, location)
         self.model = load_model(self.model_config, self.device, self.parallel, options)
         self.expert_recorder = self._attach_recorder()
+        self.eplb = None  # --enable-eplb: rebalances the placement every N forward steps
+        if self.server_args.enable_eplb:
+            _, _, groups = model_experts(self.model_config.hf_config)
+            sa = self.server_args
+            self.eplb = EplbManager(
+                self.model, location, self.expert_recorder, self.parallel,
+                sa.eplb_rebalance_num_iterations, groups, sa.nnodes,
+            )  # fmt: skip
         if self.device.type == "cpu":
             prepare_for_cpu(self.model)  # weight layouts and C kernels (``cpu_preparation``)
 
@@ -256,7 +265,13 @@ class ModelRunner:
     def forward_step(self, forward_batch: ForwardBatch | None) -> LogitsProcessorOutput | None:
         """One step of this rank (see the module docstring). Returns the batch's logits, the
         0-row output of an IDLE forward, or None when nothing ran (no batch here, and under DP
-        attention none anywhere)."""
+        attention none anywhere). With ``--enable-eplb``, a rebalance may follow the step."""
+        out = self._forward_step(forward_batch)
+        if out is not None and self.eplb is not None:
+            self.eplb.after_step()
+        return out
+
+    def _forward_step(self, forward_batch: ForwardBatch | None) -> LogitsProcessorOutput | None:
         proposal = None if forward_batch is None else plan_split(forward_batch, self.split_config)
         overlap = self.step_overlap
         self.last_step_replayed_graph = False

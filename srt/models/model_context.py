@@ -53,6 +53,7 @@ class ModelOptions:
     sbo_num_blocks: int | None = None  # None: default_num_blocks(local experts)
     sbo_communication_sms: int | None = None  # CUDA only; None: SmSplit's default
     expert_location: ExpertLocation | None = None  # None: each rank a contiguous slice
+    enable_eplb: bool = False  # the placement changes while serving (every layer has a map)
 
     @classmethod
     def from_server_args(
@@ -67,6 +68,7 @@ class ModelOptions:
             server_args.sbo_num_blocks,
             server_args.sbo_communication_sms,
             expert_location,
+            server_args.enable_eplb,
         )
 
 
@@ -119,7 +121,7 @@ class ModelContext:
         if location is not None:
             slots = location.num_physical
             local_experts = location.local_experts(layer_id, p.moe_ep_rank)
-            dispatch_map = location.dispatch_map(layer_id, p.moe_ep_rank)
+            dispatch_map = location.dispatch_map(layer_id, p.moe_ep_rank, self.options.enable_eplb)
         experts = FusedMoE(
             slots,
             hidden_size,

@@ -1,8 +1,9 @@
 """EPLB is exact, model level: two ranks (DP attention, torch all-to-all) build each tiny model
-with and without a placement that moves every expert and gives two of them a second copy on
-the other rank, in each overlap mode (off, and TBO, SBO and DBO on every step), and replay the
-overlap tests' script through both. Log-probabilities agree to 1e-5 (fp32), greedy tokens are
-identical, and the copies did take tokens (the map was applied)."""
+without EPLB, with a placement that moves every expert and gives two of them a second copy on
+the other rank, and with live rebalancing (twice during the script, weights moved between the
+ranks), in each overlap mode (off, and TBO, SBO and DBO on every step), and replay the overlap
+tests' script through each. Log-probabilities agree to 1e-5 (fp32), greedy tokens are
+identical, the copies did take tokens (the map was applied) and both rebalances ran."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ MODES = {
 }  # fmt: skip
 
 
+# live: rebalanced from the routing counted after the 3rd and the 6th of the script's 8 steps
+LIVE = dict(enable_eplb=True, eplb_rebalance_num_iterations=3, ep_num_redundant_experts=2)
+
+
 def placement(layers: int, experts: int) -> list[list[int]]:
     """Each layer: its experts shuffled over the first slots, then a copy of the experts in
     slots 0 and ``experts // 2`` (one from each rank's half), so each rank holds a copy of an
@@ -46,13 +51,15 @@ def eplb_worker(rank: int, n: int, init_method: str, paths: dict, files: dict) -
         out = {}
         for name, path in paths.items():
             for mode, flags in MODES.items():
-                for eplb in (False, True):
-                    extra = dict(ep_num_redundant_experts=2, init_expert_location=files[name])
-                    args = server_args(path, 2, 2, "torch", **flags, **(extra if eplb else {}))
+                static = dict(ep_num_redundant_experts=2, init_expert_location=files[name])
+                for eplb, extra in ((False, {}), (True, static), ("live", LIVE)):
+                    args = server_args(path, 2, 2, "torch", **flags, **extra)
                     runner = ModelRunner(args, parallel=parallel)
                     out[name, mode, eplb] = run_script(runner, 2)
-                    if eplb:
+                    if eplb is True:
                         out[name, mode, "copies"] = copies_used(runner)
+                    if eplb == "live":
+                        out[name, mode, "rebalances"] = runner.eplb.num_rebalances
         return out
     finally:
         parallel.destroy()
@@ -85,8 +92,11 @@ def test_eplb_equals_the_plain_placement(tiny_models, tmp_path):
         for name in paths:
             for mode in MODES:
                 plain, plain_split = out[name, mode, False]
-                eplb, eplb_split = out[name, mode, True]
-                assert eplb_split == plain_split, f"{name} {mode} rank {rank}"
-                assert (mode in ("tbo", "dbo")) == any(eplb_split), f"{name} {mode}: split?"
-                assert_same(eplb, plain, f"{name} {mode} rank {rank}")
+                for eplb in (True, "live"):
+                    got, split = out[name, mode, eplb]
+                    what = f"{name} {mode} eplb={eplb} rank {rank}"
+                    assert split == plain_split, what
+                    assert (mode in ("tbo", "dbo")) == any(split), f"{what}: split?"
+                    assert_same(got, plain, what)
                 assert out[name, mode, "copies"], f"{name} {mode}: no copy took a row"
+                assert out[name, mode, "rebalances"] == 2, f"{name} {mode}: not rebalanced"

@@ -1,15 +1,17 @@
 """EPLB through the server, as an SGLang user runs it: record the expert distribution over
 HTTP on a two-rank DP-attention server, dump it, and start a second server whose placement is
-balanced from that dump with two redundant experts: its greedy answers are the first's."""
+balanced from that dump with two redundant experts: its greedy answers are the first's. And
+live rebalancing under load: the answers stay those of the plain server."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers.server_process import running_server
+from helpers.server_process import assert_pool_full, running_server, server_info, wait_idle
 
 pytestmark = pytest.mark.slow  # starts two servers of two ranks
 
@@ -46,6 +48,23 @@ def test_record_dump_and_serve_from_the_dump(qwen3_moe_path, tmp_path):
     flags = ("--ep-num-redundant-experts", "2", "--init-expert-location", str(path))
     with running_server(qwen3_moe_path, *EP2, *flags) as server:
         assert greedy(server.url) == want
+
+
+def test_live_rebalancing_changes_no_answer(qwen3_moe_path):
+    """A soak with a rebalance every 4 forward steps: every request answers, the same as
+    without EPLB, and every KV slot comes back."""
+    with running_server(qwen3_moe_path, *EP2) as server:
+        want = greedy(server.url)
+    live = ("--enable-eplb", "--eplb-rebalance-num-iterations", "4")
+    with running_server(qwen3_moe_path, *EP2, *live, "--ep-num-redundant-experts", "2") as server:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: greedy(server.url), range(12)))
+        assert answers == [want] * 12
+        wait_idle(server.url)
+        states = server_info(server.url)["internal_states"]
+        assert sum(state["num_eplb_rebalances"] for state in states) >= 2
+        for state in states:
+            assert_pool_full(state)
 
 
 def test_a_dump_before_any_start_is_zeros(qwen3_moe_path):

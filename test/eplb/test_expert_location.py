@@ -40,8 +40,17 @@ def test_the_map_spreads_an_experts_rows_over_its_copies():
     assert torch.bincount(hot.flatten()).tolist() == [50, 0, 0, 50]
 
 
-def test_the_identity_needs_no_map():
+def test_the_identity_needs_no_map_unless_it_may_change():
     assert ExpertLocation.trivial(2, 4, 0, 2).dispatch_map(1, 0) is None
+    live = ExpertLocation.trivial(2, 4, 0, 2).dispatch_map(1, 0, live=True)
+    assert live.table.shape == (4, 1)  # room for the most copies 4 slots can give an expert
+    spread = ExpertLocation.from_physical(torch.tensor([[0, 0, 0, 0, 1, 2, 3, 0]]), 4, 2)
+    with pytest.raises(ValueError, match="5 copies of an expert: the map holds at most 1"):
+        live.update(spread.placement, 0)
+    wide = ExpertLocation.trivial(1, 4, 4, 2)
+    live = wide.dispatch_map(0, 0, live=True)
+    live.update(spread.placement, 0)  # in place, into the same tensors
+    assert live(torch.zeros(5, 1, dtype=torch.long)).flatten().tolist() == [0, 1, 2, 3, 7]
     with_copies = ExpertLocation.trivial(2, 4, 2, 2)
     assert with_copies.local_experts(0, 1) == [3, 0, 1]  # slot s holds expert s % 4
     assert with_copies.dispatch_map(0, 0) is not None
@@ -93,6 +102,9 @@ def test_the_flags_make_the_placement(tmp_path):
         ([*EP2, "--ep-num-redundant-experts", "1"], "split evenly over the 2 EP ranks"),
         ([*EP2, "--ep-num-redundant-experts", "-2"], "must be ≥ 0"),
         ([*EP2, "--init-expert-location", "/nonexistent.json"], "no such file"),
+        (["--enable-eplb"], "--enable-eplb: expert placement needs expert parallelism"),
+        ([*EP2, "--eplb-rebalance-num-iterations", "10"], "needs --enable-eplb"),
+        ([*EP2, "--enable-eplb", "--eplb-rebalance-num-iterations", "0"], "must be ≥ 1"),
     ],
 )
 def test_bad_flags_are_refused(argv, match, capsys):

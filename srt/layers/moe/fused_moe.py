@@ -111,6 +111,15 @@ class FusedMoE(nn.Module):
             ]
             self.packed = packed if packed and packed[0][0] is not None else None
 
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a row per local expert (weights, fp8 scales): what EPLB moves."""
+        return [t.data for t in (self.w13_weight, self.w2_weight, *self.scales) if t is not None]
+
+    def repack(self) -> None:
+        """After the weights changed in place (EPLB): their CPU layout again, if they had one."""
+        if self.packed_kernel is not None:
+            self.prepare_for_cpu()
+
     def _scale_of(self, which: int, e: int) -> tuple[torch.Tensor | None, int]:
         scale = self.scales[which]
         return (None, 0) if scale is None else (scale[e], self.groups[which])
