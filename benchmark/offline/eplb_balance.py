@@ -7,7 +7,8 @@ placement and under the balanced one (``srt.eplb``) with each number of redundan
     python benchmark/offline/eplb_balance.py --model-path DIR --tp 4 --redundant 0 16 \\
         --num-prompts 64 --input-len 128 --output-len 16 --dump-out load.json
 
-``--dump-out`` keeps the recorded load for ``--init-expert-location``."""
+``--dump-out`` keeps the recorded load for ``--init-expert-location``. ``--load FILE`` reads a
+load recorded before; ``--zipf S`` makes a synthetic one (no server)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,17 @@ from srt.eplb.expert_location import ExpertLocation, balanced_physical
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-path", help="record the load serving this checkpoint")
+    src.add_argument("--load", help="a dump already recorded (/dump_expert_distribution_record)")
+    src.add_argument(
+        "--zipf",
+        type=float,
+        help="no server: S, each layer's expert i of a shuffled order taking a load ∝ 1/(i+1)^S",
+    )
+    p.add_argument("--experts", type=int, default=64, help="--zipf: experts per layer")
+    p.add_argument("--layers", type=int, default=8, help="--zipf: layers")
+    p.add_argument("--groups", type=int, default=1, help="--load / --zipf: expert groups")
     p.add_argument("--tp", type=int, default=4, help="EP ranks")
     p.add_argument("--redundant", type=int, nargs="+", default=[0], help="redundant experts")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -89,13 +100,27 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def zipf_load(s: float, layers: int, experts: int, seed: int) -> torch.Tensor:
+    """Each layer: expert i of a seeded shuffle takes 1000 / (i + 1)^s."""
+    gen = torch.Generator().manual_seed(seed)
+    shares = 1000.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** s
+    return torch.stack([shares[torch.randperm(experts, generator=gen)] for _ in range(layers)])
+
+
 def main() -> None:
     args = parse_args()
-    config = json.loads((Path(args.model_path) / "config.json").read_text())
-    counts = record_load(args, config["vocab_size"])
+    groups = args.groups
+    if args.zipf is not None:
+        load = zipf_load(args.zipf, args.layers, args.experts, args.seed)
+    elif args.load:
+        load = torch.tensor(json.loads(Path(args.load).read_text())["logical_count"])
+    else:
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        load = torch.tensor(record_load(args, config["vocab_size"]))
+        groups = config.get("n_group") or 1
     if args.dump_out:
-        Path(args.dump_out).write_text(json.dumps({"logical_count": counts}))
-    table = balance_table(torch.tensor(counts), args.tp, args.redundant, config.get("n_group") or 1)
+        Path(args.dump_out).write_text(json.dumps({"logical_count": load.tolist()}))
+    table = balance_table(load, args.tp, args.redundant, groups)
     print(format_table(table))
     if args.out:
         Path(args.out).write_text(json.dumps(table))
