@@ -1,7 +1,7 @@
 """The expert location: the placement the flags ask for (trivial, a file's placement, a file's
 recorded load balanced), the map a MoE block applies (copies take rows evenly, the same rows
-every time), experts loaded into every slot that holds them, and bad input refused naming the
-flag."""
+every time, no host sync), experts loaded into every slot that holds them, the recorder's
+start / stop / dump and EPLB's window, and bad input refused naming the flag."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import pytest
 import torch
 from launch_server import parse_args
 
+from srt.distributed.parallel_state import ParallelState
 from srt.eplb.algorithm import imbalance, rank_load
+from srt.eplb.expert_distribution import ExpertDistributionRecorder
 from srt.eplb.expert_location import ExpertLocation, expert_location_from_args
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.server_args import ServerArgs
+from srt.utils.sync_guard import forbid_host_sync
 
 PLAIN = ["--model-path", "m", "--device", "cpu", "--attention-backend", "torch_native"]
 EP2 = ["--tp", "2", "--moe-a2a-backend", "torch"]
@@ -38,6 +41,8 @@ def test_the_map_spreads_an_experts_rows_over_its_copies():
     assert rank1(ids[:1]).tolist() == [[3, 1]]
     hot = rank0(torch.zeros(100, 1, dtype=torch.long))
     assert torch.bincount(hot.flatten()).tolist() == [50, 0, 0, 50]
+    with forbid_host_sync():  # the decode forward's guard: the map reads nothing on the host
+        rank0(ids)
 
 
 def test_the_identity_needs_no_map_unless_it_may_change():
@@ -128,3 +133,22 @@ def test_a_file_for_another_model_is_refused(tmp_path):
     dense = SimpleNamespace(num_hidden_layers=2)
     with pytest.raises(ValueError, match="not a MoE model"):
         args(*EP2, "--ep-num-redundant-experts", "2").check_against_model(dense)
+
+
+def test_the_recorder_counts_between_start_and_stop():
+    recorder = ExpertDistributionRecorder(2, 4, ParallelState.single_rank())
+    ids = torch.tensor([[0, 1], [0, 3]])
+    assert not recorder.active  # on CPU, nothing counted until asked
+    recorder.start()
+    with forbid_host_sync():
+        recorder.record(1, ids)
+    recorder.stop()
+    recorder.record(1, ids)  # a block no longer calls it once stopped; the dump is the stop's
+    assert recorder.dump() == [[0, 0, 0, 0], [2, 1, 0, 1]]
+    recorder.keep_window()  # --enable-eplb: a window of its own, taken and emptied
+    assert recorder.active
+    recorder.record(0, ids)
+    assert recorder.take_window().tolist() == [[2, 1, 0, 1], [0, 0, 0, 0]]
+    assert not recorder.take_window().any()
+    recorder.start()
+    assert recorder.dump() == [[0, 0, 0, 0], [0, 0, 0, 0]]
