@@ -132,7 +132,7 @@ def _fit_offsets(router, hidden, target: torch.Tensor, scale: float, apply) -> N
     """Moves the per-expert offsets ``apply`` sets (added to scores whose spread over experts
     is about ``scale``) until ``router``'s shares on ``hidden`` match ``target``; leaves the
     best offsets seen applied."""
-    floor = 0.25 / (hidden.shape[0] * router.top_k)  # a quarter token: an unchosen expert
+    floor = 0.25 / (hidden.shape[0] * router.top_k)  # a quarter token: as good as none
     offsets = torch.zeros_like(target)
     best, best_error = offsets, math.inf
     for step in range(FIT_STEPS):
@@ -142,7 +142,7 @@ def _fit_offsets(router, hidden, target: torch.Tensor, scale: float, apply) -> N
         if error < best_error:
             best, best_error = offsets, error
         rate = FIT_RATE * scale / (1 + step / FIT_DECAY)
-        offsets = offsets + rate * (target.log() - (shares + floor).log())
+        offsets = offsets + rate * ((target + floor).log() - (shares + floor).log())
         offsets = offsets - offsets.mean()
     apply(best)
 

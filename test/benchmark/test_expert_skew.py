@@ -52,6 +52,15 @@ def small(tmp_path_factory) -> dict[float, str]:
     }
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> dict[float, str]:
+    root = tmp_path_factory.mktemp("skew-dsv3")
+    return {
+        s: make_mid_size_model(str(root / f"dsv3-{s}"), "deepseek-v3", expert_skew=s)
+        for s in (0, 1)
+    }
+
+
 def test_power_law_shares():
     shares = power_law_shares(16, 2, 1.0)
     assert shares.sum().item() == pytest.approx(1.0)
@@ -96,14 +105,12 @@ def test_skew_changes_only_routers_and_embeddings(small):
     assert len(set(hottest)) > 1, hottest
 
 
-def test_deepseek_skew_moves_only_the_correction_bias(tmp_path):
-    plain = make_mid_size_model(str(tmp_path / "plain"), "deepseek-v3")
-    skewed = make_mid_size_model(str(tmp_path / "skewed"), "deepseek-v3", expert_skew=1.0)
-    a, b = _tensors(plain), _tensors(skewed)
+def test_deepseek_skew_moves_only_the_correction_bias(deepseek):
+    a, b = _tensors(deepseek[0]), _tensors(deepseek[1])
     changed = {k for k in a if not torch.equal(a[k], b[k])}
     assert changed == {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2, 3)}
     law = hottest_share(power_law_shares(16, 4, 1.0))
-    hot, hot_plain = _hot(skewed), _hot(plain)
+    hot, hot_plain = _hot(deepseek[1]), _hot(deepseek[0])
     assert max(hot_plain) < min(hot)
     assert all(abs(h - law) < 0.05 for h in hot), (hot, law)
 
@@ -133,14 +140,17 @@ def test_bad_skew_refused(bad, tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
-def test_srt_serves_a_skewed_checkpoint_as_hf_does(small):
-    """srt's own router (its top-k) on the skewed weights: prefill logits equal HF's."""
+@pytest.mark.parametrize("checkpoint", ["small", "deepseek"])
+def test_srt_serves_a_skewed_checkpoint_as_hf_does(checkpoint, request):
+    """srt's own routing (its top-k, DeepSeek-V3's grouped choice with the correction bias) on
+    the skewed weights: prefill logits equal HF transformers'."""
     from transformers import AutoModelForCausalLM
 
+    path = request.getfixturevalue(checkpoint)[1.5 if checkpoint == "small" else 1]
     prompts = [[5, 77, 300, 12, 9, 401, 33, 2], [44, 45, 46, 200, 310, 7, 8, 9]]
-    model = AutoModelForCausalLM.from_pretrained(small[1.5], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.tensor(prompts)).logits[:, -1]
-    got = ModelDriver(small[1.5]).prefill(prompts).float().cpu()
+    got = ModelDriver(path).prefill(prompts).float().cpu()
     diff = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
     assert diff <= 1e-4, diff
