@@ -17,6 +17,7 @@ weights, so the output does not depend on which copy ran (up to the order of a f
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,51 @@ def balanced_physical(load: torch.Tensor, slots: int, ep_size: int, groups: int,
     return torch.where(
         worse.unsqueeze(1), trivial.physical_to_logical, balanced.physical_to_logical
     )
+
+
+def keep_in_place(old: torch.Tensor, new: torch.Tensor, ep_size: int, nodes: int) -> torch.Tensor:
+    """``new`` [layers, slots] rearranged to move as few experts as possible from ``old``
+    without changing any rank's load: the ranks' sets of experts go, within each node, to the
+    ranks that already hold most of them (greedily, largest overlap first), and inside a rank
+    an expert it held keeps its slot."""
+    layers, slots = new.shape
+    n, per_node = slots // ep_size, ep_size // nodes
+    out = new.clone()
+    for layer in range(layers):
+        was = [old[layer, r * n : (r + 1) * n].tolist() for r in range(ep_size)]
+        sets = [new[layer, r * n : (r + 1) * n].tolist() for r in range(ep_size)]
+        for node in range(nodes):
+            ranks = range(node * per_node, (node + 1) * per_node)
+            overlap = sorted(
+                ((-_common(sets[p], was[r]), p, r) for p in ranks for r in ranks),
+            )
+            placed, filled = set(), set()
+            for _, p, r in overlap:
+                if p not in placed and r not in filled:
+                    placed.add(p)
+                    filled.add(r)
+                    out[layer, r * n : (r + 1) * n] = torch.tensor(_in_place(sets[p], was[r]))
+    return out
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return sum((Counter(a) & Counter(b)).values())
+
+
+def _in_place(experts: list[int], was: list[int]) -> list[int]:
+    """``experts`` in slot order, each that ``was`` held in the slot it held it in."""
+    out: list[int | None] = [None] * len(was)
+    left = []
+    for e in experts:
+        spot = next((i for i, w in enumerate(was) if w == e and out[i] is None), None)
+        if spot is None:
+            left.append(e)
+        else:
+            out[spot] = e
+    free = iter(i for i, e in enumerate(out) if e is None)
+    for e in left:
+        out[next(free)] = e
+    return out
 
 
 def expert_location_from_args(args: Any, hf_config: Any) -> ExpertLocation | None:

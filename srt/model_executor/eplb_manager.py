@@ -3,7 +3,8 @@
 Every ``--eplb-rebalance-num-iterations`` forward steps, between two steps, every rank:
 1. sums the load its MoE blocks counted since the last rebalance over the world (each rank
    counted the rows it routed), so that all hold the same load;
-2. computes the same placement from it (``balanced_physical``: deterministic);
+2. computes the same placement from it (``balanced_physical``: deterministic), its ranks' sets
+   of experts arranged to move as few as possible (``keep_in_place``);
 3. moves the expert weights: each slot whose expert changes takes it from a slot of its own
    rank that held it, or else receives it from the first slot that held it, one point-to-point
    message per (slot, tensor) in one batch over the EP group, in the same order on every rank;
@@ -19,6 +20,7 @@ attention, idle groups run idle forwards; without it, a group's ranks run the sa
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from torch import nn
 
 from srt.distributed.parallel_state import ParallelState
 from srt.eplb.expert_distribution import ExpertDistributionRecorder
-from srt.eplb.expert_location import ExpertLocation, balanced_physical
+from srt.eplb.expert_location import ExpertLocation, balanced_physical, keep_in_place
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.moe_block import SparseMoeBlock
 
@@ -60,6 +62,7 @@ class EplbManager:
     def rebalance(self, load: torch.Tensor | None = None) -> bool:
         """Balance the placement for ``load`` [layers, experts] (default: the world's counts
         since the last rebalance) and move the experts; whether anything moved."""
+        start = time.perf_counter()
         if load is None:
             load = self.recorder.take_window()
             if self.parallel.tp_size > 1:
@@ -67,26 +70,34 @@ class EplbManager:
         if not load.any():
             return False
         slots, ep_size = self.location.num_physical, self.parallel.moe_ep_size
-        p2l = balanced_physical(load.double(), slots, ep_size, self.num_groups, self.num_nodes)
-        new = ExpertLocation.from_physical(p2l, self.location.num_logical, ep_size)
         old = self.location
+        p2l = balanced_physical(load.double(), slots, ep_size, self.num_groups, self.num_nodes)
+        nodes = self.num_nodes if ep_size % self.num_nodes == 0 else 1
+        p2l = keep_in_place(old.placement.physical_to_logical, p2l, ep_size, nodes)
+        new = ExpertLocation.from_physical(p2l, self.location.num_logical, ep_size)
         if torch.equal(new.placement.physical_to_logical, old.placement.physical_to_logical):
             return False
+        moved = 0
         for block in self.blocks:
             layer = block.layer_id
-            self._move(block.experts, old, new, layer)
+            moved += self._move(block.experts, old, new, layer)
             block.dispatch_map.update(new.placement, layer)
             block.experts.local_experts = new.local_experts(layer, self.parallel.moe_ep_rank)
         self.location = new
         self.num_rebalances += 1
-        logger.info("EPLB: rebalanced the experts (%d so far)", self.num_rebalances)
+        logger.info(
+            "EPLB: rebalance %d: %d expert slots of this rank took another expert, %.1f ms",
+            self.num_rebalances, moved, (time.perf_counter() - start) * 1e3,
+        )  # fmt: skip
         return True
 
     def _move(self, experts: FusedMoE, old: ExpertLocation, new: ExpertLocation, layer: int):
+        """Layer ``layer``'s weights into the new placement; how many of this rank's slots
+        changed expert."""
         old_p2l = old.placement.physical_to_logical[layer].tolist()
         new_p2l = new.placement.physical_to_logical[layer].tolist()
         if old_p2l == new_p2l:
-            return
+            return 0
         n, me, ep = old.placement.slots_per_rank, self.parallel.moe_ep_rank, self.parallel.moe_ep
         tensors, group, P2P = experts.expert_tensors(), ep.device_group, dist.P2POp
         fresh = [torch.empty_like(t) for t in tensors]
@@ -116,3 +127,5 @@ class EplbManager:
         for t, f in zip(tensors, fresh):
             t.copy_(f)
         experts.repack()
+        mine = range(me * n, (me + 1) * n)
+        return sum(old_p2l[s] != new_p2l[s] for s in mine)

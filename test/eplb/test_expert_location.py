@@ -15,7 +15,7 @@ from launch_server import parse_args
 from srt.distributed.parallel_state import ParallelState
 from srt.eplb.algorithm import imbalance, rank_load
 from srt.eplb.expert_distribution import ExpertDistributionRecorder
-from srt.eplb.expert_location import ExpertLocation, expert_location_from_args
+from srt.eplb.expert_location import ExpertLocation, expert_location_from_args, keep_in_place
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.server_args import ServerArgs
 from srt.utils.sync_guard import forbid_host_sync
@@ -152,3 +152,19 @@ def test_the_recorder_counts_between_start_and_stop():
     assert not recorder.take_window().any()
     recorder.start()
     assert recorder.dump() == [[0, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def test_a_new_placement_moves_as_few_experts_as_it_can():
+    old = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    # the same ranks' sets, handed to the other rank and reordered: nothing needs to move
+    assert keep_in_place(old, torch.tensor([[5, 3, 4, 2, 1, 0]]), 2, 1).tolist() == old.tolist()
+    new = torch.tensor([[4, 0, 0, 1, 2, 3]])  # a second copy of 0; 5 is gone
+    kept = keep_in_place(old, new, 2, 1)
+    # {1, 2, 3} goes to rank 0, which held 1 and 2 (in their slots); {4, 0, 0} to rank 1,
+    # which held 4: three slots change expert instead of all six
+    assert kept.tolist() == [[3, 1, 2, 0, 4, 0]]
+    per_rank = lambda p: sorted(sorted(p[0, r * 3 : r * 3 + 3].tolist()) for r in range(2))
+    assert per_rank(kept) == per_rank(new)  # the same sets of experts: the same loads
+    # with two nodes a set stays on its node, even where the other node's rank held more of it
+    two_nodes = keep_in_place(torch.tensor([[0, 1, 2, 3]]), torch.tensor([[2, 3, 0, 1]]), 4, 2)
+    assert two_nodes.tolist() == [[2, 3, 0, 1]]
