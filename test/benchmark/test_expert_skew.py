@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.model_driver import ModelDriver
-from safetensors import safe_open
 
 from benchmark.common.expert_skew import hottest_share, measure_expert_shares, power_law_shares
 from benchmark.offline import make_random_model
 from benchmark.offline.make_random_model import make_mid_size_model
+from srt.model_loader.weight_utils import iterate_safetensors
 
 # sha256 over the sorted names and bytes of the small preset's tensors, as written before the
 # flag existed: the benchmark figures of docs/benchmarks.md were measured on these weights.
@@ -24,11 +24,7 @@ SMALL_DIGEST = "130a2338bdbf4f9e3e73634c0bfa05b61ff3db67c6a3a3ea1c1ddf2bee15de52
 
 
 def _tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out |= {key: f.get_tensor(key) for key in f.keys()}
-    return out
+    return dict(iterate_safetensors(str(model_dir)))
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:

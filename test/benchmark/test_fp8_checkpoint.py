@@ -22,6 +22,7 @@ from benchmark.common.fp8_checkpoint import (
 )
 from benchmark.offline.make_random_model import make_mid_size_model
 from srt.layers.quantization import fp8
+from srt.model_loader.weight_utils import iterate_safetensors
 
 # Written by hand from the published checkpoints, independent of the module's own rule.
 LINEAR_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj"}
@@ -31,11 +32,7 @@ SIDE_FILES += ["tokenizer_config.json"]
 
 
 def _tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out |= {key: f.get_tensor(key) for key in f.keys()}
-    return out
+    return dict(iterate_safetensors(str(model_dir)))
 
 
 def _config(model_dir: str | Path) -> dict:
