@@ -41,9 +41,10 @@ class PlainMoEModel(nn.Module):
                 HIDDEN,
                 48,
                 TopKConfig(top_k=2, renormalize=True),
+                layer_id,
                 shared_intermediate_size=40,
             )  # fmt: skip
-            for _ in range(layers)
+            for layer_id in range(layers)
         )
 
     def forward(self, input_ids, positions, batch) -> torch.Tensor:

@@ -2,8 +2,10 @@
 without EPLB, with a placement that moves every expert and gives two of them a second copy on
 the other rank, and with live rebalancing (twice during the script, weights moved between the
 ranks), in each overlap mode (off, and TBO, SBO and DBO on every step), and replay the overlap
-tests' script through each. Log-probabilities agree to 1e-5 (fp32), greedy tokens are
-identical, the copies did take tokens (the map was applied) and both rebalances ran."""
+tests' script through each; four ranks (attention-TP groups of two) do the same with four
+copies for Qwen3-MoE and DeepSeek-V3, overlap off and TBO. Log-probabilities agree to 1e-5
+(fp32), greedy tokens are identical, the copies did take tokens (the map was applied) and both
+rebalances ran."""
 
 from __future__ import annotations
 
@@ -29,31 +31,32 @@ MODES = {
 }  # fmt: skip
 
 
-# live: rebalanced from the routing counted after the 3rd and the 6th of the script's 8 steps
-LIVE = dict(enable_eplb=True, eplb_rebalance_num_iterations=3, ep_num_redundant_experts=2)
-
-
-def placement(layers: int, experts: int) -> list[list[int]]:
-    """Each layer: its experts shuffled over the first slots, then a copy of the experts in
-    slots 0 and ``experts // 2`` (one from each rank's half), so each rank holds a copy of an
-    expert whose original is on the other rank."""
+def placement(layers: int, experts: int, redundant: int) -> list[list[int]]:
+    """Each layer: its experts shuffled over the first slots, then copies of experts spread
+    over the shuffle (one from each rank's share at EP 2), so a rank holds a copy of an expert
+    whose original is on another rank."""
     rows = []
     for layer in range(layers):
         perm = torch.randperm(experts, generator=torch.Generator().manual_seed(layer)).tolist()
-        rows.append(perm + [perm[0], perm[experts // 2]])
+        rows.append(perm + [perm[i * experts // redundant] for i in range(redundant)])
     return rows
 
 
-def eplb_worker(rank: int, n: int, init_method: str, paths: dict, files: dict) -> dict:
+def eplb_worker(
+    rank: int, n: int, init_method: str, paths: dict, files: dict, modes: tuple
+) -> dict:
+    """EP ``n`` (= TP ``n``, DP attention in 2 groups), ``n`` redundant experts."""
     torch.set_num_threads(1)
     parallel = init_parallel_state(n, rank, 2, True, "torch", "gloo", init_method)
+    # live: rebalanced from the routing counted after the 3rd and the 6th of the 8 steps
+    live = dict(enable_eplb=True, eplb_rebalance_num_iterations=3, ep_num_redundant_experts=n)
     try:
         out = {}
         for name, path in paths.items():
-            for mode, flags in MODES.items():
-                static = dict(ep_num_redundant_experts=2, init_expert_location=files[name])
-                for eplb, extra in ((False, {}), (True, static), ("live", LIVE)):
-                    args = server_args(path, 2, 2, "torch", **flags, **extra)
+            for mode in modes:
+                static = dict(ep_num_redundant_experts=n, init_expert_location=files[name])
+                for eplb, extra in ((False, {}), (True, static), ("live", live)):
+                    args = server_args(path, n, 2, "torch", **MODES[mode], **extra)
                     runner = ModelRunner(args, parallel=parallel)
                     out[name, mode, eplb] = run_script(runner, 2)
                     if eplb is True:
@@ -78,19 +81,24 @@ def copies_used(runner: ModelRunner) -> bool:
     return False
 
 
-def test_eplb_equals_the_plain_placement(tiny_models, tmp_path):
-    paths = {name: tiny_models[name] for name in MODELS}
+@pytest.mark.parametrize(
+    "ep, models, modes",
+    [(2, MODELS, tuple(MODES)), (4, MODELS[::2], ("off", "tbo"))],
+    ids=["ep2", "ep4"],
+)
+def test_eplb_equals_the_plain_placement(tiny_models, tmp_path, ep, models, modes):
+    paths = {name: tiny_models[name] for name in models}
     files = {}
     for name, path in paths.items():
         config = json.loads((Path(path) / "config.json").read_text())
         experts = config.get("num_experts") or config["n_routed_experts"]
         files[name] = str(tmp_path / f"{name}.json")
-        rows = placement(config["num_hidden_layers"], experts)
+        rows = placement(config["num_hidden_layers"], experts, ep)
         (tmp_path / f"{name}.json").write_text(json.dumps({"physical_to_logical_map": rows}))
-    results = run_ranks(eplb_worker, 2, paths, files, timeout=600.0)
+    results = run_ranks(eplb_worker, ep, paths, files, modes, timeout=600.0)
     for rank, out in enumerate(results):
         for name in paths:
-            for mode in MODES:
+            for mode in modes:
                 plain, plain_split = out[name, mode, False]
                 for eplb in (True, "live"):
                     got, split = out[name, mode, eplb]
