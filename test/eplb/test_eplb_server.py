@@ -1,7 +1,7 @@
 """EPLB through the server, as an SGLang user runs it: record the expert distribution over
 HTTP on a two-rank DP-attention server, dump it, and start a second server whose placement is
-balanced from that dump with two redundant experts: its greedy answers are the first's. And
-live rebalancing under load: the answers stay those of the plain server."""
+balanced from that dump with two redundant experts and rebalanced live under load: its greedy
+answers are the first's."""
 
 from __future__ import annotations
 
@@ -26,9 +26,15 @@ def greedy(url: str) -> list[str]:
     return [out["text"] for out in response.json()]
 
 
-def test_record_dump_and_serve_from_the_dump(qwen3_moe_path, tmp_path):
+def test_record_dump_then_serve_and_rebalance_from_the_dump(qwen3_moe_path, tmp_path):
+    """Server one records and dumps; server two starts from the balanced dump with two copies
+    and rebalances every 4 forward steps under 4 concurrent clients: every request answers as
+    server one did, both rebalances and copies ran, and every KV slot comes back."""
     with running_server(qwen3_moe_path, *EP2) as server:
         url = server.url
+        before = httpx.post(url + "/dump_expert_distribution_record")
+        assert before.status_code == 200
+        assert not any(any(row) for row in before.json()["logical_count"])  # nothing yet
         assert httpx.post(url + "/start_expert_distribution_record").status_code == 200
         want = greedy(url)
         assert httpx.post(url + "/stop_expert_distribution_record").status_code == 200
@@ -46,17 +52,9 @@ def test_record_dump_and_serve_from_the_dump(qwen3_moe_path, tmp_path):
     path = tmp_path / "dump.json"
     path.write_text(dump.text)
     flags = ("--ep-num-redundant-experts", "2", "--init-expert-location", str(path))
-    with running_server(qwen3_moe_path, *EP2, *flags) as server:
-        assert greedy(server.url) == want
-
-
-def test_live_rebalancing_changes_no_answer(qwen3_moe_path):
-    """A soak with a rebalance every 4 forward steps: every request answers, the same as
-    without EPLB, and every KV slot comes back."""
-    with running_server(qwen3_moe_path, *EP2) as server:
-        want = greedy(server.url)
     live = ("--enable-eplb", "--eplb-rebalance-num-iterations", "4")
-    with running_server(qwen3_moe_path, *EP2, *live, "--ep-num-redundant-experts", "2") as server:
+    with running_server(qwen3_moe_path, *EP2, *flags, *live) as server:
+        assert greedy(server.url) == want  # the balanced placement, before any rebalance
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: greedy(server.url), range(12)))
         assert answers == [want] * 12
@@ -65,11 +63,3 @@ def test_live_rebalancing_changes_no_answer(qwen3_moe_path):
         assert sum(state["num_eplb_rebalances"] for state in states) >= 2
         for state in states:
             assert_pool_full(state)
-
-
-def test_a_dump_before_any_start_is_zeros(qwen3_moe_path):
-    """Recording works on any MoE server (one rank here, no expert parallelism)."""
-    with running_server(qwen3_moe_path) as server:
-        dump = httpx.post(server.url + "/dump_expert_distribution_record")
-        assert dump.status_code == 200
-        assert not any(any(row) for row in dump.json()["logical_count"])
