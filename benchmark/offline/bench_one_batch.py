@@ -28,6 +28,11 @@ step runs on (CPU) or on the GPU, and the share of it reached. ``--result-filena
 them (``decode_weight_bytes``, ``decode_weight_gbps``, ``read_gbps``, ``read_threads``,
 ``read_fraction``).
 
+With expert parallelism, the runs' routing is recorded (``srt.eplb``) and each MoE layer's load
+imbalance printed: the busiest EP rank's routed tokens over the mean under the run's expert
+placement (``expert_imbalance`` in the result lines); ``--ep-num-redundant-experts`` with
+``--init-expert-location`` runs it with EPLB.
+
     python benchmark/offline/bench_one_batch.py --model-path MID --dtype bfloat16 \
         --batch-size 1 --input-len 128 --output-len 32 --repeat 3
 
@@ -49,6 +54,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch.distributed as dist
 from make_tiny_models import default_model_path
 
 from benchmark.common.hf_compare import compare_with_hf, load_hf_model
@@ -61,6 +67,8 @@ from benchmark.common.op_timeline import (
 from benchmark.common.process import free_port
 from benchmark.common.static_batch import make_runner, random_inputs, report, run_once
 from benchmark.common.weight_bytes import decode_weight_bytes, read_bandwidth
+from srt.eplb.algorithm import imbalance, rank_load
+from srt.eplb.expert_location import ExpertLocation, expert_location_from_args, model_experts
 from srt.layers.overlap.operations import OperationObserver
 from srt.managers.scheduler_process import init_rank_parallel_state
 from srt.model_executor.forward_batch_info import ForwardMode
@@ -142,6 +150,10 @@ def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, paralle
         for label, sa in _variants(args, server_args).items()
     }
     freeze_startup_heap()  # as the scheduler process does once it is up
+    balance = parallel is not None and parallel.moe_ep_size > 1
+    for runner, _ in runners.values():
+        if balance and runner.expert_recorder is not None:
+            runner.expert_recorder.start()  # the routing of every run below, warm-ups too
     any_runner = next(iter(runners.values()))[0]
     hf_model = load_hf_model(server_args, any_runner) if args.compare_hf else None
     vocab, group = any_runner.model_config.vocab_size, any_runner.parallel.attn_dp_rank
@@ -161,6 +173,8 @@ def _bench(rank: int, args: argparse.Namespace, server_args: ServerArgs, paralle
         summaries.append(summary)
     if server_args.tp_size == 1:
         _decode_bandwidth(runners, summaries, server_args)
+    if balance:
+        _expert_balance(runners, summaries, parallel, verbose)
     if verbose and args.result_filename:
         for summary in summaries:
             _write_results(args, server_args, summary)
@@ -226,6 +240,37 @@ def _decode_bandwidth(runners: dict, summaries: list[dict], server_args: ServerA
                   f"| {label or '-'} | {read / 1e6:.3f} | {step * 1e3:.3f} "
                   f"| {read / step / 1e9:.2f} | {bandwidth / 1e9:.2f} ({threads or 'GPU'}) "
                   f"| {result['read_fraction']:.1%} |", flush=True)  # fmt: skip
+
+
+def _expert_balance(runners: dict, summaries: list[dict], parallel, verbose: bool) -> None:
+    """With expert parallelism: each MoE layer's imbalance under the variant's placement (the
+    busiest EP rank's routed tokens over the mean, an expert's tokens split evenly over its
+    copies), from what every rank routed during the runs; added to the results and printed."""
+    for label, (runner, _) in runners.items():
+        recorder = runner.expert_recorder
+        if recorder is None:
+            continue
+        counts = recorder.counts.cpu()
+        dist.all_reduce(counts, group=parallel.world.cpu_group)
+        hf_config = runner.model_config.hf_config
+        layers, experts, _ = model_experts(hf_config)
+        if runner.eplb is not None:  # --enable-eplb: where the last rebalance left the experts
+            location = runner.eplb.location
+        else:
+            location = expert_location_from_args(runner.server_args, hf_config)
+        if location is None:
+            location = ExpertLocation.trivial(layers, experts, 0, parallel.moe_ep_size)
+        moe = [i for i in range(layers) if counts[i].any()]
+        per_layer = imbalance(rank_load(location.placement, counts.double()))[moe].tolist()
+        for summary in summaries:
+            summary[label]["expert_imbalance"] = per_layer
+        report(
+            verbose,
+            f"Expert load imbalance{f' [{label}]' if label else ''} (busiest EP rank / mean, "
+            f"MoE layers {moe}): "
+            + ", ".join(f"{x:.3f}" for x in per_layer)
+            + f"; max {max(per_layer):.3f}",
+        )
 
 
 def _median_result(runs: list[dict]) -> dict:
