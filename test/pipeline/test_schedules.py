@@ -1,5 +1,6 @@
 """Pipeline schedules as data: every generated schedule passes the checker at PP 2, 4 and 8; the
-simulator reproduces the bubble formulas exactly for the cost models they assume; the checker
+simulator reproduces 1F1B's and VPP's bubble formulas, and DualPipeV's derived closed form, which
+equals DeepSeek's and MindSpeed's formulas exactly where their assumptions hold; the checker
 catches broken schedules; bad configurations are refused with the rule they break."""
 
 from __future__ import annotations
@@ -42,18 +43,88 @@ def test_interleaved_bubble_is_a_vth(pp, v):
     assert max(t.bubbles()) == pytest.approx((pp - 1) * (F + B) / v)
 
 
+# DualPipeV cost points (F, B, W, F&B), per chunk, a2a 0: zero bubble's (F = B − W = W) with
+# full and no overlap, then away from it; docs/dualpipev.md's table
+DUALPIPEV_COSTS = [(1, 2, 1, 2), (1, 2, 1, 3), (2, 3, 1, 4), (1, 2, 0.5, 2.5), (1, 4, 1, 4.5),
+                   (1, 2, 0, 2), (1, 1, 0.5, 1.5), (1, 3, 2, 3)]  # fmt: skip
+
+
+def _mindspeed(pp: int, c: Costs) -> float:
+    """MindSpeed's (PP − 1)(F&B + B − W) − F, PP the pipeline ranks."""
+    return (pp - 1) * (c.FB + c.B - c.W) - c.F
+
+
+def _deepseek(pp: int, c: Costs) -> float:
+    """DeepSeek's (PP/2 − 1)(F&B + B − 3W) with its PP the 2·PP stages."""
+    return (2 * pp / 2 - 1) * (c.FB + c.B - 3 * c.W)
+
+
+def _dualpipev_bubble(pp: int, c: Costs, dw_detach: bool) -> float:
+    """The largest bubble (ranks PP − 2 and PP − 1) at p2p 0, any N ≥ 2·PP, from rank PP − 1's
+    critical path. Its first backward starts at the later of its own forwards' end, 3·PP·F
+    (PP − 1 waiting for its first input, 2·PP + 1 of its own, the last the V tip's unpaired F0)
+    and the first gradient's arrival, 2·PP·F + (PP − 1)(B − W) (rank 0's forwards, then a split
+    backward on each of ranks 0 to PP − 2). Then its backward and F&B pairs without a gap. Last,
+    the last micro-batch's F1 crosses ranks PP − 2 … 0 as pairs and its backward comes back over
+    the 2·PP stages: whole, (PP − 1)·F&B + 2·PP·B; split (all but rank 0's B1), ending at rank
+    0's last W, or at rank PP − 1's PP deferred Ws where those are longer (2W > B)."""
+    late_gradient = max(0.0, (pp - 1) * (c.B - c.W) - pp * c.F)
+    if not dw_detach:
+        return (pp - 1) * (c.F + c.FB) + late_gradient
+    return (pp - 1) * (c.F + c.FB - c.B + max(0.0, c.B - 2 * c.W)) + late_gradient
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("dw_detach", [False, True])
+@pytest.mark.parametrize("cost", DUALPIPEV_COSTS, ids=str)
+def test_dualpipev_bubble_closed_form(pp, dw_detach, cost):
+    """Every rank's bubble: rank r ≤ PP − 2 runs PP − 2 − r fewer F&B pairs than the last two
+    ranks, so waits F + B − F&B less for each."""
+    c = Costs(*cost)
+    overlap = c.F + c.B - c.FB
+    want = [_dualpipev_bubble(pp, c, dw_detach) - max(0, pp - 2 - r) * overlap for r in range(pp)]
+    for n in (2 * pp, 2 * pp + 1, 3 * pp):
+        assert simulate(dualpipev(pp, n, dw_detach=dw_detach), c).bubbles() == pytest.approx(want)
+
+
 @pytest.mark.parametrize("pp", PPS)
-@pytest.mark.parametrize("fb", [2.0, 2.5, 3.0])
-def test_dualpipev_bubble(pp, fb):
-    """Zero bubble's cost model (F = B − W = W, an F&B pair between the larger part and their
-    sum): with dW detach, DeepSeek's (PP/2 − 1)(F&B + B − 3W) over 2·PP stages; without it,
-    each of the cool-down's PP − 1 splits gives back its 2W: (PP − 1)(F&B + B − W)."""
-    F, B, W = 1.0, 2.0, 1.0
-    costs = Costs(F=F, B=B, W=W, FB=fb)
-    detach = simulate(dualpipev(pp, 3 * pp, dw_detach=True), costs)
-    assert max(detach.bubbles()) == pytest.approx((2 * pp / 2 - 1) * (fb + B - 3 * W))
-    whole = simulate(dualpipev(pp, 3 * pp, dw_detach=False), costs)
-    assert max(whole.bubbles()) == pytest.approx((pp - 1) * (fb + B - W))
+@pytest.mark.parametrize("cost", DUALPIPEV_COSTS, ids=str)
+def test_dualpipev_bubble_against_the_formulas(pp, cost):
+    """Without dW detach, MindSpeed's formula where the first gradient reaches rank PP − 1 after
+    its forwards, else above it (by F at F = B − W); with it, DeepSeek's exactly where
+    F = B − W ≥ W (zero bubble's point among them), else above or below."""
+    c = Costs(*cost)
+    F, B, W = c.F, c.B, c.W
+    whole = max(simulate(dualpipev(pp, 3 * pp, dw_detach=False), c).bubbles())
+    assert whole - _mindspeed(pp, c) == pytest.approx(max(0.0, pp * F - (pp - 1) * (B - W)))
+    assert (whole == pytest.approx(_mindspeed(pp, c))) == ((pp - 1) * (B - W) >= pp * F)
+    detach = max(simulate(dualpipev(pp, 3 * pp, dw_detach=True), c).bubbles())
+    above = (pp - 1) * max(0.0, 2 * W - B) + max(-F, (pp - 1) * (F - (B - W)))
+    assert detach - _deepseek(pp, c) == pytest.approx(above)
+    assert (detach == pytest.approx(_deepseek(pp, c))) == (F == B - W and 2 * W <= B)
+
+
+def test_dualpipev_bubble_all_to_all_counts_in_lone_computations():
+    """a2a adds to a lone F or B (a split B too), not to an F&B pair: the closed form holds
+    with F + a2a and B + a2a."""
+    pp, a2a = 4, 0.5
+    bubbles = simulate(dualpipev(pp, 12, dw_detach=True), Costs(1, 2, 1, 3, a2a=a2a)).bubbles()
+    assert max(bubbles) == pytest.approx(_dualpipev_bubble(pp, Costs(1 + a2a, 2 + a2a, 1, 3), True))
+
+
+@pytest.mark.parametrize("pp", PPS)
+@pytest.mark.parametrize("dw_detach", [False, True])
+def test_dualpipev_bubble_grows_with_the_transfer_time(pp, dw_detach):
+    """Neither formula has a p2p term. Each rank pairs micro-batch k's B1 with k + PP's F0, and
+    k's activation crosses the V in between (2·(PP − 1) messages) with no slack: every PP more
+    micro-batches add 2·(PP − 1)·p2p to the bubble."""
+    c, p2p = Costs(1, 2, 1, 3), 0.25
+    slow = dataclasses.replace(c, p2p=p2p)
+    bubbles = [max(simulate(dualpipev(pp, k * pp, dw_detach=dw_detach), slow).bubbles())
+               for k in (2, 3, 4)]  # fmt: skip
+    assert bubbles[0] > _dualpipev_bubble(pp, c, dw_detach)
+    assert bubbles[1] - bubbles[0] == pytest.approx(2 * (pp - 1) * p2p)
+    assert bubbles[2] - bubbles[1] == pytest.approx(2 * (pp - 1) * p2p)
 
 
 def test_a_late_message_delays_its_receiver():
