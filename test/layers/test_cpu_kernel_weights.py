@@ -38,6 +38,21 @@ def test_fp8_panel_linear_is_the_product_with_the_dequantized_weight(rows, n, k,
     assert torch.equal(got, torch.cat(alone))
 
 
+def test_fp8_every_e4m3_value_with_tiny_activations_and_scales():
+    """Every e4m3 value (subnormals included) times activations down to 1e-12 and scales down
+    to 1e-8, whose products are normal float32 numbers: none may fall into float32's subnormal
+    range inside the kernel either, where it would lose digits (and run on x86's slow
+    assists)."""
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    q = torch.where(q.float().isnan(), torch.zeros_like(q), q)
+    scale = torch.logspace(-8, 0, 16).reshape(16, 1)
+    x = torch.logspace(-12, 0, 3 * 16).reshape(3, 16)
+    panels, scales = cpu_kernels.pack_panels(q), cpu_kernels.pack_scales(scale)
+    got = cpu_kernels.panel_linear(x, panels, 16, scales, 16)
+    exact = x.double() @ fp8.dequantize(q, scale, 16).double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_bf16_panel_linear_is_float32_over_the_widened_weight(rows):
     w, x = torch.randn(72, 48).to(torch.bfloat16), torch.randn(rows, 48)
@@ -104,9 +119,11 @@ def test_fp8_checks_refuse_before_the_kernel_runs():
         ops._fused_experts(*args, cpu_kernels.pack_panels(w2.float()), scales[0], None, 16, 0)
 
 
-def test_scales_the_kernels_cannot_represent_are_refused():
+@pytest.mark.parametrize("value", [2.0**121, float("inf"), float("nan")])
+def test_scales_the_kernels_cannot_represent_are_refused(value):
+    cpu_kernels.pack_scales(torch.full((4, 2), 1e30))  # any real block's scale is in range
     with pytest.raises(ValueError, match="outside the CPU kernels' range"):
-        cpu_kernels.pack_scales(torch.full((4, 2), 300.0))
+        cpu_kernels.pack_scales(torch.full((4, 2), value))
 
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, (32, 16)])

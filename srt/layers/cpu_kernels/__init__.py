@@ -77,16 +77,17 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(*lead, padded // p, p, k).transpose(-1, -2).contiguous()
 
 
-# The fp8 kernels read an e4m3 byte as a float32 of its value · 2^-120 and multiply by the
-# scale · 2^120 (csrc/cpu_kernels.c, load_w): scales must stay below 2^8 for that to be finite.
-_FP8_SCALE_SHIFT = 2.0**120
-FP8_MAX_SCALE = 2.0**8
+# The fp8 kernels read an e4m3 byte as a float32 of its value · 2^-8 and multiply by the
+# scale · 2^8 (csrc/cpu_kernels.c, widen_fp8): scales must stay below 2^120 for that and a
+# group's sum (at most K · 448 · 2^-8 times an activation) to stay finite.
+_FP8_SCALE_SHIFT = 2.0**8
+FP8_MAX_SCALE = 2.0**120
 
 
 def pack_scales(scale: torch.Tensor) -> torch.Tensor:
     """Per-row fp8 scales ``[..., N, G]`` (``srt.layers.quantization.fp8``) → the kernels'
-    ``[..., ceil(N / P), G, P]``, each times 2^120 (rows past N zero). Raises ValueError for a
-    scale the kernels cannot represent (≥ 2^8: a weight block above 114,688)."""
+    ``[..., ceil(N / P), G, P]``, each times 2^8 (rows past N zero). Raises ValueError for a
+    scale the kernels cannot represent (≥ 2^120, or not finite)."""
     top = scale.abs().max().item() if scale.numel() else 0.0
     if not top < FP8_MAX_SCALE:
         raise ValueError(f"an fp8 weight scale of {top} is outside the CPU kernels' range "
