@@ -10,9 +10,10 @@ is in place, so the folder keeps one build per compiler and processor.
 
 Where there is no compiler, the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is
 what the kernels' register blocks are sized for), or ``SRT_CPU_KERNELS=0`` is set,
-``load_library`` returns None and the layers keep their PyTorch (oneDNN) paths. The library
-links OpenMP, which resolves to the runtime torch has already loaded, so the kernels' threads
-are torch's threads.
+``load_library`` returns None and the layers keep their PyTorch (oneDNN) paths. The kernels
+run on a team of threads of their own (``csrc/cpu_pool.c``), as many as torch's intra-op
+threads at each call; the library links OpenMP too (the runtime torch has already loaded),
+for the extend attention and for a second caller while the team is busy.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_extend_attention.c")]
+SOURCES = [
+    CSRC / name
+    for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_extend_attention.c", "cpu_pool.c")
+]
 HEADER = CSRC / "cpu_kernels.h"
 # -Werror=missing-prototypes: every exported function is declared in the header, so the
 # compiler checks each definition against the prototype that DECLARATIONS is tested against.

@@ -131,6 +131,36 @@ static void attend_bf16(const struct decode_attention *a, int64_t b, int64_t h0,
  * table[rows[b] · table_ld + j] for j < lens[b] (≥ 1); out [B, H, v_dim]; all of `type`.
  * Returns 0, SRT_OUT_OF_MEMORY, or the code of the first index check that fails (nothing
  * written then): rows inside the table, lengths in [1, table_cols], slots below num_slots. */
+/* The tasks of a decode attention call: (sequence, KV head, block of HEAD_BLOCK query heads),
+ * each thread its share, in a buffer of its own (`failed` counts threads without one). */
+struct decode_call {
+    const struct decode_attention *a;
+    int type;
+    int64_t tasks, blocks, group, max_len;
+    _Atomic int failed;
+};
+
+static void decode_region(void *arg, const struct team *team) {
+    struct decode_call *c = arg;
+    const struct decode_attention *a = c->a;
+    int64_t kv_heads = a->kv_heads, blocks = c->blocks, group = c->group, lo, hi;
+    float *s = malloc(HEAD_BLOCK * (c->max_len + a->dim + a->v_dim) * sizeof *s);
+    if (!s) {
+        c->failed++;
+        return;
+    }
+    float *qf = s + HEAD_BLOCK * c->max_len, *of = qf + HEAD_BLOCK * a->dim;
+    team_share(team, c->tasks, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t b = t / (kv_heads * blocks), kv = t / blocks % kv_heads;
+        int64_t h0 = kv * group + t % blocks * HEAD_BLOCK;
+        int64_t h1 = h0 + HEAD_BLOCK < (kv + 1) * group ? h0 + HEAD_BLOCK : (kv + 1) * group;
+        if (c->type == T_F32) attend_f32(a, b, h0, h1, kv, s, qf, of);
+        else attend_bf16(a, b, h0, h1, kv, s, qf, of);
+    }
+    free(s);
+}
+
 int srt_decode_attention(int type, const void *q, int64_t batch, int64_t heads, int64_t dim,
                          const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                          int64_t v_dim, int64_t kv_heads, const int64_t *table, int64_t table_ld,
@@ -140,30 +170,16 @@ int srt_decode_attention(int type, const void *q, int64_t batch, int64_t heads, 
     struct decode_attention a = {q, k, v, heads, kv_heads, dim, v_dim, k_stride, v_stride,
                                  table, rows, lens, table_ld, scale, out};
     int64_t group = heads / kv_heads, blocks = (group + HEAD_BLOCK - 1) / HEAD_BLOCK;
-    int64_t max_len = 0, tasks = batch * kv_heads * blocks, failed = 0;
+    int64_t max_len = 0, tasks = batch * kv_heads * blocks;
     for (int64_t b = 0; b < batch; b++) {
         int status = lens[b] < 1 ? SRT_BAD_LENGTH : check_sequence(&slot_table, rows[b], lens[b]);
         if (status) return status;
         max_len = lens[b] > max_len ? lens[b] : max_len;
     }
     if (tasks == 0) return 0;
-#pragma omp parallel reduction(+ : failed) if (tasks > 1)
-    {
-        float *s = malloc(HEAD_BLOCK * (max_len + dim + v_dim) * sizeof *s);
-        float *qf = s ? s + HEAD_BLOCK * max_len : NULL, *of = qf ? qf + HEAD_BLOCK * dim : NULL;
-        failed += s == NULL;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            int64_t b = t / (kv_heads * blocks), kv = t / blocks % kv_heads;
-            int64_t h0 = kv * group + t % blocks * HEAD_BLOCK;
-            int64_t h1 = h0 + HEAD_BLOCK < (kv + 1) * group ? h0 + HEAD_BLOCK : (kv + 1) * group;
-            if (!s) continue;
-            if (type == T_F32) attend_f32(&a, b, h0, h1, kv, s, qf, of);
-            else attend_bf16(&a, b, h0, h1, kv, s, qf, of);
-        }
-        free(s);
-    }
-    return failed ? SRT_OUT_OF_MEMORY : 0;
+    struct decode_call c = {&a, type, tasks, blocks, group, max_len, 0};
+    team_run(decode_region, &c, tasks > 1);
+    return c.failed ? SRT_OUT_OF_MEMORY : 0;
 }
 
 /* Rotary position embedding of x [T, H, rot] (token t's head h at element t·ld_token +
@@ -189,16 +205,36 @@ static inline __attribute__((always_inline)) void rotate(int type, const void *x
     }
 }
 
+struct rope_call {
+    int type;
+    const void *x;
+    int64_t tokens, heads, ld_token, ld_head, rot;
+    const int64_t *positions;
+    const float *cos_sin;
+    int neox;
+    void *out;
+};
+
+static void rope_region(void *arg, const struct team *team) {
+    const struct rope_call *c = arg;
+    int64_t lo, hi;
+    team_share(team, c->tokens, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *cos = c->cos_sin + c->positions[t] * c->rot;
+        if (c->type == T_F32)
+            rotate(T_F32, c->x, t, c->heads, c->ld_token, c->ld_head, c->rot, cos, c->neox, c->out);
+        else rotate(T_BF16, c->x, t, c->heads, c->ld_token, c->ld_head, c->rot, cos, c->neox,
+                    c->out);
+    }
+}
+
 int srt_rope(int type, const void *x, int64_t tokens, int64_t heads, int64_t ld_token,
              int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
              int64_t rows, int neox, void *out) {
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= rows) return SRT_BAD_POSITION;
-#pragma omp parallel for schedule(static) if (tokens * heads >= 4096)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *cos = cos_sin + positions[t] * rot;
-        if (type == T_F32) rotate(T_F32, x, t, heads, ld_token, ld_head, rot, cos, neox, out);
-        else rotate(T_BF16, x, t, heads, ld_token, ld_head, rot, cos, neox, out);
-    }
+    struct rope_call c = {type, x, tokens, heads, ld_token, ld_head, rot, positions, cos_sin,
+                          neox, out};
+    team_run(rope_region, &c, tokens * heads >= 4096);
     return 0;
 }

@@ -1,5 +1,5 @@
 /* GEMMs for CPU over weights packed in panels of PANEL output columns laid out [K][PANEL]
- * (``pack_panels`` in ops.py), run by the threads of the OpenMP runtime torch itself uses: a
+ * (``pack_panels`` in ops.py), run by the kernels' own team of threads (cpu_pool.c): a
  * linear layer (srt_panel_linear) and the routed experts of one MoE layer in one call
  * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm, float32 or bf16 activations).
  *
@@ -224,39 +224,41 @@ static void act_gemm(const struct rows *x, int64_t n, struct panel gate_panel,
 }
 
 /* act = silu(x · W1ᵀ) · (x · W3ᵀ) [routed, I] for every active expert, its rows of x read in
- * place (inside a parallel region): each thread takes a contiguous share of every expert's
+ * place (by each thread of a team): each thread takes a contiguous share of every expert's
  * gate panels (and the matching up panels), balanced however unevenly the tokens went to
  * experts. `w13` is expert 0's packed weight; expert e's follows at e · 2I/PANEL panels. Ends
  * with a barrier. */
-static void experts_act(const float *x, int64_t hidden, const int64_t *order, int64_t topk,
+static void experts_act(const struct team *team, const float *x, int64_t hidden, const int64_t *order, int64_t topk,
                         const struct weights *w13, int64_t inter, const int64_t *active,
                         int64_t num_active, const int64_t *begin, const int64_t *count,
                         float *act) {
-    int64_t panels = inter / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t panels = inter / PANEL, lo, hi;
+    team_share(team, panels, &lo, &hi);
     for (int64_t a = 0; a < num_active; a++) {
         int64_t e = active[a], first = e * 2 * panels;
         struct rows rows = {x, hidden, order + begin[e], topk};
-        for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
+        for (int64_t b = lo; b < hi; b++)
             act_gemm(&rows, count[e], panel_at(w13, first + b),
                      panel_at(w13, first + panels + b), hidden,
                      act + begin[e] * inter + b * PANEL, inter, w13->type);
     }
-#pragma omp barrier
+    team_barrier(team);
 }
 
 /* down = act · W2ᵀ [routed, H] for every active expert, shared out as in experts_act. */
-static void experts_down(const float *act, int64_t inter, const struct weights *w2,
+static void experts_down(const struct team *team, const float *act, int64_t inter, const struct weights *w2,
                          int64_t hidden, const int64_t *active, int64_t num_active,
                          const int64_t *begin, const int64_t *count, float *down) {
-    int64_t panels = hidden / PANEL, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t panels = hidden / PANEL, lo, hi;
+    team_share(team, panels, &lo, &hi);
     for (int64_t a = 0; a < num_active; a++) {
         int64_t e = active[a];
         struct rows rows = {act + begin[e] * inter, inter, NULL, 1};
-        for (int64_t b = t * panels / nt; b < (t + 1) * panels / nt; b++)
+        for (int64_t b = lo; b < hi; b++)
             panel_gemm(&rows, count[e], panel_at(w2, e * panels + b), inter,
                        down + begin[e] * hidden + b * PANEL, hidden, 4, w2->type);
     }
-#pragma omp barrier
+    team_barrier(team);
 }
 
 /* The (token, slot) pairs of this rank's experts, sorted by expert. */
@@ -297,11 +299,14 @@ static int route(const int64_t *ids, int64_t pairs, int64_t start, int64_t num_e
     return 0;
 }
 
-/* out[t] = Σ_slot weight · down[row of (t, slot)], slots in order (inside a parallel region). */
-static void combine(const float *down, const struct routing *r, const float *weights,
-                    int64_t num_tokens, int64_t topk, int64_t hidden, float *out) {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_tokens; t++) {
+/* out[t] = Σ_slot weight · down[row of (t, slot)], slots in order (each thread its share of
+ * the tokens). */
+static void combine(const struct team *team, const float *down, const struct routing *r,
+                    const float *weights, int64_t num_tokens, int64_t topk, int64_t hidden,
+                    float *out) {
+    int64_t lo, hi;
+    team_share(team, num_tokens, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
         float *o = out + t * hidden;
         memset(o, 0, hidden * sizeof *o);
         for (int64_t s = 0; s < topk; s++) {
@@ -315,19 +320,54 @@ static void combine(const float *down, const struct routing *r, const float *wei
 }
 
 /* n activations of `type` widened into float32 dst, or float32 src narrowed into n activations,
- * shared out among the threads of a parallel region (a worksharing loop: every thread calls). */
-static void widen_shared(int type, const void *p, int64_t n, float *dst) {
-    int64_t size = type == T_F32 ? 4 : 2;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < n; c += 4096)
+ * shared out among a team's threads in chunks of 4096 (every thread calls; each ends with a
+ * barrier). */
+static void widen_shared(const struct team *team, int type, const void *p, int64_t n,
+                         float *dst) {
+    int64_t size = type == T_F32 ? 4 : 2, lo, hi;
+    team_share(team, (n + 4095) / 4096, &lo, &hi);
+    for (int64_t c = lo * 4096; c < hi * 4096 && c < n; c += 4096)
         widen_acts(type, (const char *)p + c * size, n - c < 4096 ? n - c : 4096, dst + c);
+    team_barrier(team);
 }
 
-static void narrow_shared(int type, const float *src, int64_t n, void *p) {
-    int64_t size = type == T_F32 ? 4 : 2;
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < n; c += 4096)
+static void narrow_shared(const struct team *team, int type, const float *src, int64_t n,
+                          void *p) {
+    int64_t size = type == T_F32 ? 4 : 2, lo, hi;
+    team_share(team, (n + 4095) / 4096, &lo, &hi);
+    for (int64_t c = lo * 4096; c < hi * 4096 && c < n; c += 4096)
         narrow_acts(type, src + c, n - c < 4096 ? n - c : 4096, (char *)p + c * size);
+    team_barrier(team);
+}
+
+/* srt_fused_experts' arguments as its region reads them. */
+struct experts_call {
+    int act;
+    const void *x;
+    const float *xf;
+    int64_t num_tokens, hidden, topk;
+    const float *weights;
+    const struct routing *r;
+    const struct weights *up, *down_w;
+    int64_t inter;
+    float *gated, *down, *outf;
+    void *out;
+};
+
+static void experts_region(void *arg, const struct team *team) {
+    const struct experts_call *c = arg;
+    const struct routing *r = c->r;
+    if (c->act != T_F32)
+        widen_shared(team, c->act, c->x, c->num_tokens * c->hidden, (float *)c->xf);
+    experts_act(team, c->xf, c->hidden, r->order, c->topk, c->up, c->inter, r->active,
+                r->num_active, r->begin, r->count, c->gated);
+    experts_down(team, c->gated, c->inter, c->down_w, c->hidden, r->active, r->num_active,
+                 r->begin, r->count, c->down);
+    combine(team, c->down, r, c->weights, c->num_tokens, c->topk, c->hidden, c->outf);
+    if (c->act != T_F32) {
+        team_barrier(team);
+        narrow_shared(team, c->act, c->outf, c->num_tokens * c->hidden, c->out);
+    }
 }
 
 /* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
@@ -354,16 +394,9 @@ int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden
     float *gated = work, *down = gated + num_tokens * topk * inter;
     float *xf = (float *)x, *outf = out;
     if (act != T_F32) xf = down + num_tokens * topk * hidden, outf = xf + num_tokens * hidden;
-#pragma omp parallel
-    {
-        if (act != T_F32) widen_shared(act, x, num_tokens * hidden, xf);
-        experts_act(xf, hidden, r.order, topk, &up, inter, r.active, r.num_active, r.begin,
-                    r.count, gated);
-        experts_down(gated, inter, &down_w, hidden, r.active, r.num_active, r.begin, r.count,
-                     down);
-        combine(down, &r, weights, num_tokens, topk, hidden, outf);
-        if (act != T_F32) narrow_shared(act, outf, num_tokens * hidden, out);
-    }
+    struct experts_call c = {act, x, xf, num_tokens, hidden, topk, weights, &r, &up, &down_w,
+                             inter, gated, down, outf, out};
+    team_run(experts_region, &c, 1);
     free_routing(&r);
     return 0;
 }
@@ -377,36 +410,58 @@ int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden
  * every thread busy in prefill. A partial last panel computes only the vectors that hold its
  * N % PANEL columns, into a buffer of its own whose first N % PANEL columns are copied out. */
 #define LINEAR_CHUNK 64
+
+/* srt_panel_linear's arguments as its region reads them. */
+struct linear_call {
+    int act;
+    const void *x;
+    float *xf;
+    int64_t n, k_dim;
+    int type;
+    const struct weights *W;
+    int64_t n_dim, full, rest, chunks;
+    int nv;
+    float *yf;
+    void *y;
+};
+
+static void linear_region(void *arg, const struct team *team) {
+    const struct linear_call *c = arg;
+    int64_t n = c->n, k_dim = c->k_dim, n_dim = c->n_dim, full = c->full, lo, hi;
+    if (c->act != T_F32) widen_shared(team, c->act, c->x, n * k_dim, c->xf);
+    team_share(team, (full + (c->rest > 0)) * c->chunks, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t b = u / c->chunks, r0 = (u % c->chunks) * LINEAR_CHUNK;
+        int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
+        struct rows rows = {c->xf + r0 * k_dim, k_dim, NULL, 1};
+        if (b < full) {
+            panel_gemm(&rows, m, panel_at(c->W, b), k_dim, c->yf + r0 * n_dim + b * PANEL, n_dim,
+                       4, c->type);
+            continue;
+        }
+        float last[LINEAR_CHUNK * PANEL];
+        panel_gemm(&rows, m, panel_at(c->W, b), k_dim, last, PANEL, c->nv, c->type);
+        for (int64_t i = 0; i < m; i++)
+            memcpy(c->yf + (r0 + i) * n_dim + full * PANEL, last + i * PANEL,
+                   c->rest * sizeof *last);
+    }
+    if (c->act != T_F32) {
+        team_barrier(team);
+        narrow_shared(team, c->act, c->yf, n * n_dim, c->y);
+    }
+}
+
 void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type,
                       const void *panels, const float *scale, int64_t group, int64_t n_dim,
                       void *y, float *work) {
     struct weights W = {panels, scale, k_dim, scale ? group : k_dim, type};
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
-    int64_t num_panels = full + (rest > 0), chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
+    int64_t chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
     float *xf = (float *)x, *yf = y;
     if (act != T_F32) xf = work, yf = work + n * k_dim;
-#pragma omp parallel
-    {
-        if (act != T_F32) widen_shared(act, x, n * k_dim, xf);
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < num_panels * chunks; u++) {
-            int64_t b = u / chunks, r0 = (u % chunks) * LINEAR_CHUNK;
-            int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
-            struct rows rows = {xf + r0 * k_dim, k_dim, NULL, 1};
-            if (b < full) {
-                panel_gemm(&rows, m, panel_at(&W, b), k_dim, yf + r0 * n_dim + b * PANEL, n_dim,
-                           4, type);
-                continue;
-            }
-            float last[LINEAR_CHUNK * PANEL];
-            panel_gemm(&rows, m, panel_at(&W, b), k_dim, last, PANEL, nv, type);
-            for (int64_t i = 0; i < m; i++)
-                memcpy(yf + (r0 + i) * n_dim + full * PANEL, last + i * PANEL,
-                       rest * sizeof *last);
-        }
-        if (act != T_F32) narrow_shared(act, yf, n * n_dim, y);
-    }
+    struct linear_call c = {act, x, xf, n, k_dim, type, &W, n_dim, full, rest, chunks, nv, yf, y};
+    team_run(linear_region, &c, 1);
 }
 
 /* One row of RMSNorm in activations of `type`: h = x (+ residual, rounded to the type and
@@ -444,17 +499,35 @@ static inline __attribute__((always_inline)) void norm_row(int type, const void 
  * of x starts at (i / inner) · ld + (i % inner) · dim elements, so the heads of a split QKV row
  * are read where they lie; out, residual and sum_out are contiguous. The sum of squares runs
  * in VEC lanes summed in a fixed order. */
+struct norm_call {
+    int type;
+    const void *x;
+    int64_t rows, inner, ld, dim;
+    const void *residual;
+    void *sum_out;
+    const void *weight;
+    float eps;
+    void *out;
+};
+
+static void norm_region(void *arg, const struct team *team) {
+    const struct norm_call *c = arg;
+    int64_t size = c->type == T_F32 ? 4 : 2, dim = c->dim, lo, hi;
+    team_share(team, c->rows, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        float h[dim];
+        int64_t at = (i / c->inner) * c->ld + (i % c->inner) * dim;
+        const char *row = (const char *)c->x + at * size;
+        const char *res = c->residual ? (const char *)c->residual + i * dim * size : NULL;
+        char *sum = c->sum_out ? (char *)c->sum_out + i * dim * size : NULL;
+        char *o = (char *)c->out + i * dim * size;
+        if (c->type == T_F32) norm_row(T_F32, row, res, sum, c->weight, c->eps, dim, h, o);
+        else norm_row(T_BF16, row, res, sum, c->weight, c->eps, dim, h, o);
+    }
+}
+
 void srt_rms_norm(int type, const void *x, int64_t rows, int64_t inner, int64_t ld, int64_t dim,
                   const void *residual, void *sum_out, const void *weight, float eps, void *out) {
-    int64_t size = type == T_F32 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 16))
-    for (int64_t i = 0; i < rows; i++) {
-        float h[dim];
-        const char *row = (const char *)x + ((i / inner) * ld + (i % inner) * dim) * size;
-        const char *res = residual ? (const char *)residual + i * dim * size : NULL;
-        char *sum = sum_out ? (char *)sum_out + i * dim * size : NULL;
-        char *o = (char *)out + i * dim * size;
-        if (type == T_F32) norm_row(T_F32, row, res, sum, weight, eps, dim, h, o);
-        else norm_row(T_BF16, row, res, sum, weight, eps, dim, h, o);
-    }
+    struct norm_call c = {type, x, rows, inner, ld, dim, residual, sum_out, weight, eps, out};
+    team_run(norm_region, &c, rows * dim >= (1 << 16));
 }

@@ -47,6 +47,23 @@ int srt_rope(int type, const void *x, int64_t tokens, int64_t heads, int64_t ld_
              int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
              int64_t rows, int neox, void *out);
 
+/* A parallel region of the kernels' own threads (cpu_pool.c): team_run calls fn(arg, team) on
+ * each of a team's threads, the calling one among them, and returns when all have; on one
+ * thread where `parallel` is 0 or torch runs one. Within it, team_barrier waits for the whole
+ * team, and team_share gives a thread its contiguous share of n items (a static schedule). */
+struct team {
+    int t, nt; /* this thread's index, the team's size */
+    int omp;   /* run on OpenMP's threads (see cpu_pool.c) */
+};
+typedef void (*team_fn)(void *arg, const struct team *team);
+void team_run(team_fn fn, void *arg, int64_t parallel);
+void team_barrier(const struct team *team);
+
+static inline void team_share(const struct team *team, int64_t n, int64_t *lo, int64_t *hi) {
+    *lo = n * team->t / team->nt;
+    *hi = n * (team->t + 1) / team->nt;
+}
+
 /* The exported functions' error codes (their Python callers raise on them). */
 #define SRT_OUT_OF_MEMORY (-1) /* a buffer of the kernel's own could not be allocated */
 #define SRT_BAD_ROW (-2)       /* a sequence's row outside the request-to-token table */
