@@ -59,7 +59,8 @@ def limit_openmp_spin(environ: dict[str, str] | None = None) -> bool:
     of a run was 36-54 ms with 1000 (six runs), 68-89 ms at the default and 61-70 ms with
     10 000 (three each). Ops issued back to back (microseconds apart) still find the worker
     spinning. Left alone where GOMP_SPINCOUNT or OMP_WAIT_POLICY is set; returns whether it
-    was set."""
+    was set. This governs torch's own OpenMP threads; the C kernels run on a team of their own
+    (``srt/layers/cpu_kernels/csrc/cpu_pool.c``), whose workers spin by the clock instead."""
     environ = os.environ if environ is None else environ
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
         return False
