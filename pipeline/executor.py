@@ -17,10 +17,13 @@ Each action of the rank's list, in order:
   other computes.
 
 Gradients accumulate in the parameters' ``.grad`` over the micro-batches, as a single process
-running them one by one. The executor also tallies the activations its forwards keep for their
-backwards (the tensors autograd saves, parameters left out, each storage once per chunk): a
-chunk's count from its F until its whole B or its W, the rank's peak over the step in bytes
-and in chunks.
+running them one by one. ``step(..., forward_only=True)`` evaluates instead: the schedule's
+forwards alone (``schedules.forward_schedule``) under ``torch.no_grad``, nothing kept for a
+backward and no gradient touched, each micro-batch's loss in the record.
+
+The executor also tallies the activations its forwards keep for their backwards (the tensors
+autograd saves, parameters left out, each storage once per chunk): a chunk's count from its F
+until its whole B or its W, the rank's peak over the step in bytes and in chunks.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from pipeline.model import Stage, loss_fn
-from pipeline.schedules import Comm, Compute, Pair, Schedule
+from pipeline.schedules import Comm, Compute, Pair, Schedule, forward_schedule
 from pipeline.simulator import message_key
 from srt.batch_overlap.ubatching import UBatchThreads
 
@@ -45,6 +48,7 @@ class StepRecord:
     """What one rank did in a step: its loss share and each computation's host interval."""
 
     loss: float = 0.0
+    losses: dict[int, float] = field(default_factory=dict)  # micro-batch → its share (last stage)
     spans: list[tuple[str, float, float]] = field(default_factory=list)
     peak_bytes: int = 0  # activations kept for backwards, at most at once
     peak_chunks: int = 0  # chunks (stage, micro-batch) holding them, at most at once
@@ -106,6 +110,7 @@ class RankExecutor:
                  num_total: int | None = None):  # fmt: skip
         check_message_tags(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.forwards = forward_schedule(schedule)
         self.shape, self.peers = tuple(shape), peers or list(range(schedule.num_ranks))
         self.last = schedule.num_stages - 1
         self.num_total = num_total
@@ -116,18 +121,22 @@ class RankExecutor:
     def _tag(self, what: str, stage: int, mb: int) -> int:
         return ((what == "grad") * self.schedule.num_stages + stage) * MAX_MICROBATCHES + mb
 
-    def step(self, ids: list[torch.Tensor], labels: list[torch.Tensor]) -> StepRecord:
+    def step(self, ids: list[torch.Tensor], labels: list[torch.Tensor],
+             forward_only: bool = False) -> StepRecord:  # fmt: skip
         """One training step's forward and backward over the micro-batches ``ids`` / ``labels``
-        (gradients accumulate; the caller steps the optimizer)."""
-        st = StepState(ids, labels, self.num_total or len(ids), self._post_receives())
-        for action in self.schedule.ranks[self.rank]:
-            if isinstance(action, Comm):
-                self._comm(st, action)
-            elif isinstance(action, Pair) and self.threads is not None:
-                self._overlapped(st, action)
-            else:
-                for c in (action.f, action.b) if isinstance(action, Pair) else (action,):
-                    self._timed(st, c)
+        (gradients accumulate; the caller steps the optimizer); with ``forward_only`` their
+        forwards alone, without autograd (evaluation: the record's ``losses``)."""
+        schedule = self.forwards if forward_only else self.schedule
+        st = StepState(ids, labels, self.num_total or len(ids), self._post_receives(schedule))
+        with torch.set_grad_enabled(not forward_only):
+            for action in schedule.ranks[self.rank]:
+                if isinstance(action, Comm):
+                    self._comm(st, action)
+                elif isinstance(action, Pair) and self.threads is not None:
+                    self._overlapped(st, action)
+                else:
+                    for c in (action.f, action.b) if isinstance(action, Pair) else (action,):
+                        self._timed(st, c)
         for work, _tensor in st.send_works:
             work.wait()
         if st.weights:
@@ -162,12 +171,12 @@ class RankExecutor:
         st.record.receives[key] = (start, time.perf_counter())
         st.inbox[(c.what, c.stage, c.mb)] = buf
 
-    def _post_receives(self) -> dict:
+    def _post_receives(self, schedule: Schedule) -> dict:
         """Every receive of the step, posted at its start: gloo moves a message once its
         receive is posted, so a receive posted only when its computation is next would expose
         the whole transfer; posted early, it arrives while the rank computes."""
         out = {}
-        for c in self.schedule.ranks[self.rank]:
+        for c in schedule.ranks[self.rank]:
             if isinstance(c, Comm) and c.kind == "recv":
                 buf = torch.empty(self.shape, dtype=torch.float32)
                 tag = self._tag(c.what, c.stage, c.mb)
@@ -185,10 +194,11 @@ class RankExecutor:
         return st.inbox.pop((what, stage, mb))
 
     def _forward(self, st: StepState, c: Compute) -> None:
+        keep = torch.is_grad_enabled()  # else evaluation: nothing kept for a backward
         if c.stage == 0:
             inp = st.ids[c.mb]
         else:
-            inp = self._input(st, "act", c.stage - 1, c.mb).detach().requires_grad_()
+            inp = self._input(st, "act", c.stage - 1, c.mb).detach().requires_grad_(keep)
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -210,10 +220,14 @@ class RankExecutor:
             if c.stage == self.last:
                 out = loss_fn(out, st.labels[c.mb], st.num_total)
         if c.stage == self.last:
-            st.record.loss += float(out.detach())
+            st.record.losses[c.mb] = float(out.detach())
+            st.record.loss += st.record.losses[c.mb]
         else:
             st.outputs[key] = out.detach()
-        st.saved[key] = (inp, out)
+        if keep:
+            st.saved[key] = (inp, out)
+        else:
+            st.live.pop(key)
         st.note_peak()
 
     def _backward(self, st: StepState, c: Compute) -> None:
