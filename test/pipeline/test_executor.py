@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 
 from pipeline.model import ModelConfig
-from pipeline.schedules import Comm, Compute
+from pipeline.schedules import Comm, Compute, Pair
+from pipeline.simulator import message_key
 from pipeline.train import TrainConfig, max_relative_difference, reference, run
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -68,7 +69,9 @@ def test_dualpipev_past_two_pp_micro_batches(pp, ep, n):
     """Past 2·PP micro-batches (the steady F&B phase repeats) DualPipeV with fb-overlap and dW
     detach trains like one process, each rank runs its schedule's computations in order, and
     on every pipeline rank past the first the W of a cool-down split B runs after later
-    computations: deferred, not at once."""
+    computations: deferred, not at once. Each F&B pair's halves post their sends inside the
+    pair as they end: the backward's (it ends first) before the forward's, which the schedule
+    lists first after the pair."""
     model = ModelConfig(layers=2 * pp, experts=4)
     cfg = TrainConfig("dualpipev", pp=pp, ep=ep, num_microbatches=n, dw_detach=True,
                       fb_overlap=True, steps=2, model=model)  # fmt: skip
@@ -88,6 +91,12 @@ def test_dualpipev_past_two_pp_micro_batches(pp, ep, n):
             # rank 0's cool-down Ws follow their Bs at once in DeepSeek's order; every other
             # rank's run after later computations
             assert min(gaps) >= 0 and (max(gaps) > 0) == (r > 0), (rank, gaps)
+        pairs = [a for a in schedule.ranks[r] if isinstance(a, Pair)]
+        for sends in result["sends"]:
+            keys = [(message_key("act", a.f.stage, a.f.mb), message_key("grad", a.b.stage, a.b.mb))
+                    for a in pairs]  # fmt: skip
+            both = [(sends[f], sends[b]) for f, b in keys if f in sends and b in sends]
+            assert both and all(b < f for f, b in both), rank
 
 
 @pytest.mark.parametrize("pp, ep", [(2, 1), (4, 1), (2, 2)])
