@@ -14,13 +14,19 @@ Each action of the rank's list, in order:
 - an F&B pair runs its forward then its backward, or with ``fb_overlap`` (``--moe-fb-overlap``)
   the two in the ubatch threads of dual-batch overlap, the backward first, handing over at
   every MoE all-to-all (``pipeline/ep.py``), so that one's exchange is in flight while the
-  other computes.
+  other computes. The pair takes its own messages (``fold_pair_messages``): each half waits
+  for its receive in its thread, the forward's a hand-over point as an exchange is (the
+  backward computes on while the activation is in flight), and posts its send the moment it
+  ends, so that it crosses the link under the other half's compute.
 
 Gradients accumulate in the parameters' ``.grad`` over the micro-batches, as a single process
-running them one by one. The executor also tallies the activations its forwards keep for their
-backwards (the tensors autograd saves, parameters left out, each storage once per chunk): a
-chunk's count from its F until its whole B or its W, the rank's peak over the step in bytes
-and in chunks.
+running them one by one. ``step(..., forward_only=True)`` evaluates instead: the schedule's
+forwards alone (``schedules.forward_schedule``) under ``torch.no_grad``, nothing kept for a
+backward and no gradient touched, each micro-batch's loss in the record.
+
+The executor also tallies the activations its forwards keep for their backwards (the tensors
+autograd saves, parameters left out, each storage once per chunk): a chunk's count from its F
+until its whole B or its W, the rank's peak over the step in bytes and in chunks.
 """
 
 from __future__ import annotations
@@ -35,9 +41,15 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from pipeline.model import Stage, loss_fn
-from pipeline.schedules import Comm, Compute, Pair, Schedule
+from pipeline.schedules import Action, Comm, Compute, Pair, Schedule, forward_schedule
 from pipeline.simulator import message_key
 from srt.batch_overlap.ubatching import UBatchThreads
+from srt.distributed.p2p import PendingWork
+from srt.layers.overlap.ubatch_context import (
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_yield,
+)
 
 
 @dataclass
@@ -45,6 +57,7 @@ class StepRecord:
     """What one rank did in a step: its loss share and each computation's host interval."""
 
     loss: float = 0.0
+    losses: dict[int, float] = field(default_factory=dict)  # micro-batch → its share (last stage)
     spans: list[tuple[str, float, float]] = field(default_factory=list)
     peak_bytes: int = 0  # activations kept for backwards, at most at once
     peak_chunks: int = 0  # chunks (stage, micro-batch) holding them, at most at once
@@ -63,7 +76,7 @@ class StepState:
     ids: list[torch.Tensor]
     labels: list[torch.Tensor]
     num_total: int  # the micro-batches the mean loss is over
-    recv_works: dict[tuple[str, int, int], tuple]  # every irecv, posted at the step's start
+    recv_works: dict[tuple[str, int, int], tuple]  # every irecv (work, buffer), posted at start
     send_works: list[tuple] = field(default_factory=list)  # (work, tensor), waited at the end
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # received
     outputs: dict[Chunk, torch.Tensor] = field(default_factory=dict)  # F output to send or pass
@@ -83,6 +96,46 @@ class StepState:
 # micro-batches stay below the bound, and a tag must fit a signed 32-bit integer (gloo's)
 MAX_MICROBATCHES = 4096
 MAX_STAGES = 2**31 // (2 * MAX_MICROBATCHES)
+
+
+@dataclass
+class PairWithMessages:
+    """Under fb-overlap, an F&B pair and its own messages by half: the receive each half waits
+    for in its thread, and the send it posts as it ends."""
+
+    pair: Pair
+    recvs: dict[Compute, Comm] = field(default_factory=dict)
+    sends: dict[Compute, Comm] = field(default_factory=dict)
+
+
+def _half_of(pair: Pair, m: Action) -> Compute | None:
+    """The half of ``pair`` whose input the receive ``m`` brings or whose output the send ``m``
+    carries; None for anything else."""
+    if not isinstance(m, Comm):
+        return None
+    for c in (pair.f, pair.b):
+        what, step = ("act", -1) if c.kind == "F" else ("grad", 1)
+        if (m.what, m.stage, m.mb) == (what, c.stage + step * (m.kind == "recv"), c.mb):
+            return c
+    return None
+
+
+def fold_pair_messages(actions: list[Action]) -> list:
+    """A rank's actions with each pair's receives (right before it) and sends (right after)
+    taken into it as a ``PairWithMessages``."""
+    out: list = []
+    for a in actions:
+        last = out[-1] if out else None
+        if isinstance(a, Pair):
+            item = PairWithMessages(a)
+            while out and (c := _half_of(a, out[-1])) is not None and out[-1].kind == "recv":
+                item.recvs[c] = out.pop()
+            out.append(item)
+        elif isinstance(last, PairWithMessages) and (c := _half_of(last.pair, a)) is not None:
+            last.sends[c] = a  # a pair's own receive cannot follow it: this is its send
+        else:
+            out.append(a)
+    return out
 
 
 def check_message_tags(schedule: Schedule) -> None:
@@ -106,28 +159,35 @@ class RankExecutor:
                  num_total: int | None = None):  # fmt: skip
         check_message_tags(schedule)
         self.schedule, self.rank, self.stages = schedule, rank, stages
+        self.forwards = forward_schedule(schedule)
         self.shape, self.peers = tuple(shape), peers or list(range(schedule.num_ranks))
         self.last = schedule.num_stages - 1
         self.num_total = num_total
         self.threads = UBatchThreads() if fb_overlap else None
+        actions = schedule.ranks[rank]
+        self.actions = fold_pair_messages(actions) if fb_overlap else actions
         self._params = {p.untyped_storage().data_ptr() for st in stages.values()
                         for p in st.parameters()}  # fmt: skip
 
     def _tag(self, what: str, stage: int, mb: int) -> int:
         return ((what == "grad") * self.schedule.num_stages + stage) * MAX_MICROBATCHES + mb
 
-    def step(self, ids: list[torch.Tensor], labels: list[torch.Tensor]) -> StepRecord:
+    def step(self, ids: list[torch.Tensor], labels: list[torch.Tensor],
+             forward_only: bool = False) -> StepRecord:  # fmt: skip
         """One training step's forward and backward over the micro-batches ``ids`` / ``labels``
-        (gradients accumulate; the caller steps the optimizer)."""
-        st = StepState(ids, labels, self.num_total or len(ids), self._post_receives())
-        for action in self.schedule.ranks[self.rank]:
-            if isinstance(action, Comm):
-                self._comm(st, action)
-            elif isinstance(action, Pair) and self.threads is not None:
-                self._overlapped(st, action)
-            else:
-                for c in (action.f, action.b) if isinstance(action, Pair) else (action,):
-                    self._timed(st, c)
+        (gradients accumulate; the caller steps the optimizer); with ``forward_only`` their
+        forwards alone, without autograd (evaluation: the record's ``losses``)."""
+        schedule = self.forwards if forward_only else self.schedule
+        st = StepState(ids, labels, self.num_total or len(ids), self._post_receives(schedule))
+        with torch.set_grad_enabled(not forward_only):
+            for action in schedule.ranks[self.rank] if forward_only else self.actions:
+                if isinstance(action, Comm):
+                    self._comm(st, action)
+                elif isinstance(action, PairWithMessages):
+                    self._overlapped(st, action)
+                else:
+                    for c in (action.f, action.b) if isinstance(action, Pair) else (action,):
+                        self._timed(st, c)
         for work, _tensor in st.send_works:
             work.wait()
         if st.weights:
@@ -138,16 +198,30 @@ class RankExecutor:
         if self.threads is not None:
             self.threads.close()
 
-    def _overlapped(self, st: StepState, pair: Pair) -> None:
-        start = time.perf_counter()
-        # the backward first: its first exchange (the last layer's combine) comes at once, and
-        # the forward's attention computes while it is in flight
-        jobs = [functools.partial(self._backward, st, pair.b),
-                functools.partial(self._forward, st, pair.f)]  # fmt: skip
-        self.threads.run(jobs, torch.device("cpu"))
-        st.record.spans.append((str(pair), start, time.perf_counter()))
+    def _overlapped(self, st: StepState, item: PairWithMessages) -> None:
+        """The pair's halves in the two threads, the backward first (its first exchange, the
+        last layer's combine, comes at once, and the forward's attention computes while it is
+        in flight). Its span starts once the backward has its gradient."""
+        start: list[float] = []
 
-    def _comm(self, st: StepState, c: Comm) -> None:
+        def half(c: Compute) -> None:
+            if (recv := item.recvs.get(c)) is not None:
+                self._comm(st, recv, handover=c.kind == "F")
+            if c.kind == "B":
+                start.append(time.perf_counter())
+            {"F": self._forward, "B": self._backward}[c.kind](st, c)
+            if (send := item.sends.get(c)) is not None:
+                self._comm(st, send)  # posted now: it travels while the other half computes
+
+        pair = item.pair
+        jobs = [functools.partial(half, pair.b), functools.partial(half, pair.f)]
+        self.threads.run(jobs, torch.device("cpu"))
+        st.record.spans.append((str(pair), start[0], time.perf_counter()))
+
+    def _comm(self, st: StepState, c: Comm, handover: bool = False) -> None:
+        """Post a send, or wait for a receive; with ``handover`` (a pair's forward) the wait is
+        a hand-over point, as an exchange is: the other half's exchange in flight is waited,
+        this wait left to it, and it computes on until its next exchange."""
         tag, key = self._tag(c.what, c.stage, c.mb), message_key(c.what, c.stage, c.mb)
         if c.kind == "send":
             store = st.outputs if c.what == "act" else st.grads
@@ -157,21 +231,26 @@ class RankExecutor:
             st.send_works.append((work, tensor))  # the tensor lives until the send is done
             return
         work, buf = st.recv_works.pop((c.what, c.stage, c.mb))
+        if handover:
+            dbo_maybe_run_recv_hook()
+            dbo_register_recv_hook(work.wait)
+            dbo_yield()
         start = time.perf_counter()
         work.wait()
         st.record.receives[key] = (start, time.perf_counter())
         st.inbox[(c.what, c.stage, c.mb)] = buf
 
-    def _post_receives(self) -> dict:
+    def _post_receives(self, schedule: Schedule) -> dict:
         """Every receive of the step, posted at its start: gloo moves a message once its
         receive is posted, so a receive posted only when its computation is next would expose
         the whole transfer; posted early, it arrives while the rank computes."""
         out = {}
-        for c in self.schedule.ranks[self.rank]:
+        for c in schedule.ranks[self.rank]:
             if isinstance(c, Comm) and c.kind == "recv":
                 buf = torch.empty(self.shape, dtype=torch.float32)
                 tag = self._tag(c.what, c.stage, c.mb)
-                out[(c.what, c.stage, c.mb)] = (dist.irecv(buf, self.peers[c.peer], tag=tag), buf)
+                work = PendingWork([dist.irecv(buf, self.peers[c.peer], tag=tag)])  # waited once
+                out[(c.what, c.stage, c.mb)] = (work, buf)
         return out
 
     def _timed(self, st: StepState, c: Compute) -> None:
@@ -185,10 +264,11 @@ class RankExecutor:
         return st.inbox.pop((what, stage, mb))
 
     def _forward(self, st: StepState, c: Compute) -> None:
+        keep = torch.is_grad_enabled()  # else evaluation: nothing kept for a backward
         if c.stage == 0:
             inp = st.ids[c.mb]
         else:
-            inp = self._input(st, "act", c.stage - 1, c.mb).detach().requires_grad_()
+            inp = self._input(st, "act", c.stage - 1, c.mb).detach().requires_grad_(keep)
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -210,10 +290,14 @@ class RankExecutor:
             if c.stage == self.last:
                 out = loss_fn(out, st.labels[c.mb], st.num_total)
         if c.stage == self.last:
-            st.record.loss += float(out.detach())
+            st.record.losses[c.mb] = float(out.detach())
+            st.record.loss += st.record.losses[c.mb]
         else:
             st.outputs[key] = out.detach()
-        st.saved[key] = (inp, out)
+        if keep:
+            st.saved[key] = (inp, out)
+        else:
+            st.live.pop(key)
         st.note_peak()
 
     def _backward(self, st: StepState, c: Compute) -> None:

@@ -19,6 +19,11 @@ with ``split_w`` computes the input gradient only; its W comes later on the same
   phase nF0B1F1B0 of F&B pairs, nB1F1B0, nB1B0, nWB0, nW. With ``dw_detach`` the cool-down's
   backwards split too (the second half of nB1B0, every one of nWB0), their W deferred to fill
   the bubbles; without it they are whole backwards. N ≥ 2·PP.
+
+``forward_schedule(schedule)`` (``make_schedule(..., forward_only=True)``) keeps a schedule's
+forwards for evaluation, as DeepSeek's ``DualPipeV.step(..., forward_only=True)``: every rank's
+F in the schedule's order, an F&B pair reduced to its F, and the activations' messages; no B, W
+or gradient message.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class Schedule:
     num_stages: int
     stage_rank: list[int]  # per stage, the rank that holds it
     ranks: list[list[Action]] = field(default_factory=list)
+    forward_only: bool = False  # forwards alone (evaluation): no B, W or gradient message
 
     def computes(self, rank: int) -> list[Compute]:
         """The rank's computations in order, pairs unfolded (forward first)."""
@@ -253,19 +259,44 @@ def dualpipev(pp: int, n: int, *, dw_detach: bool) -> Schedule:
     return _build(schedule, per_rank)
 
 
+def forward_schedule(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` in its order: each rank's F (a pair's forward in the
+    pair's place) and activation messages. The order stays deadlock-free: it drops only
+    actions and the waits on them."""
+
+    def keep(a: Action) -> Action | None:
+        if isinstance(a, Pair):
+            return a.f
+        if isinstance(a, Comm):
+            return a if a.what == "act" else None
+        return a if a.kind == "F" else None
+
+    ranks = [[k for a in actions if (k := keep(a)) is not None] for actions in schedule.ranks]
+    return Schedule(schedule.name + "-forward", schedule.num_ranks, schedule.num_microbatches,
+                    schedule.num_stages, schedule.stage_rank, ranks, forward_only=True)  # fmt: skip
+
+
 def make_schedule(
-    method: str, pp: int, n: int, v: int = 1, dw_detach: bool = DEFAULT_DW_DETACH
+    method: str,
+    pp: int,
+    n: int,
+    v: int = 1,
+    dw_detach: bool = DEFAULT_DW_DETACH,
+    forward_only: bool = False,
 ) -> Schedule:
-    """``--schedules-method`` {1f1b, vpp, dualpipev} with its options."""
+    """``--schedules-method`` {1f1b, vpp, dualpipev} with its options; ``forward_only``: its
+    forwards alone (``forward_schedule``)."""
     if method == "1f1b":
-        return one_f_one_b(pp, n)
-    if method == "vpp":
-        return interleaved_1f1b(pp, n, v)
-    if method == "dualpipev":
+        schedule = one_f_one_b(pp, n)
+    elif method == "vpp":
+        schedule = interleaved_1f1b(pp, n, v)
+    elif method == "dualpipev":
         if v > 1:
             raise ValueError("DualPipeV is incompatible with virtual pipeline stages (VPP)")
-        return dualpipev(pp, n, dw_detach=dw_detach)
-    raise ValueError(f"--schedules-method {method!r}: one of 1f1b, vpp, dualpipev")
+        schedule = dualpipev(pp, n, dw_detach=dw_detach)
+    else:
+        raise ValueError(f"--schedules-method {method!r}: one of 1f1b, vpp, dualpipev")
+    return forward_schedule(schedule) if forward_only else schedule
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, pp: int, n: int) -> None:

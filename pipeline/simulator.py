@@ -195,10 +195,12 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
 
 
 def check(schedule: Schedule) -> None:
-    """Every stage's actions on its rank; every micro-batch's F and B once per stage, W once
-    exactly where its B was split, after it; every send matched by one receive between the
-    right ranks; and the whole schedule runs to its end (no deadlock). Raises ScheduleError."""
+    """Every stage's actions on its rank; every micro-batch's F and B once per stage (F alone
+    in a ``forward_only`` schedule), W once exactly where its B was split, after it; every send
+    matched by one receive between the right ranks; and the whole schedule runs to its end (no
+    deadlock). Raises ScheduleError."""
     s, counts = schedule, Counter()
+    kinds = ("F",) if s.forward_only else ("F", "B")
     messages: Counter = Counter()
     for rank, actions in enumerate(s.ranks):
         for a in actions:
@@ -216,7 +218,7 @@ def check(schedule: Schedule) -> None:
     for stage in range(s.num_stages):
         for mb in range(s.num_microbatches):
             for kind in ("F", "B"):
-                if counts[(kind, stage, mb)] != 1:
+                if counts[(kind, stage, mb)] != (kind in kinds):
                     n = counts[(kind, stage, mb)]
                     raise ScheduleError(f"{s.name}: {kind}{mb}@s{stage} runs {n} times")
             if counts[("W", stage, mb)] != counts[("split", stage, mb)]:

@@ -8,7 +8,9 @@ Prints each step's loss and time, and, with ``--check``, the largest relative di
 the loss, of every parameter's gradient after the first step and of the weights after the last
 against the reference. ``--expert-model-parallel-size EP`` spreads each stage's experts over
 EP ranks (PP × EP processes, each EP rank its own micro-batches); ``--moe-fb-overlap`` runs each
-F&B pair's forward and backward interleaved at their all-to-alls. ``--rank R --dist-init-addr
+F&B pair's forward and backward interleaved at their all-to-alls; ``--evaluate`` adds, after
+training, one more batch's loss by a forward-only step through the schedule (no backward, no
+gradient touched), compared too under ``--check``. ``--rank R --dist-init-addr
 HOST:PORT`` runs one rank of a multi-node run (rank 0 prints the summary).
 """
 
@@ -48,6 +50,7 @@ class TrainConfig:
     seq_len: int = 8
     lr: float = 0.05
     seed: int = 0
+    evaluate: bool = False  # after training, the next batch's loss by a forward-only step
     model: ModelConfig = ModelConfig()
 
     def schedule(self):
@@ -83,6 +86,12 @@ def reference(cfg: TrainConfig) -> dict:
             }
         opt.step()
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if cfg.evaluate:
+        ids, labels = batches(cfg, cfg.steps)
+        with torch.no_grad():
+            out["eval_losses"] = [
+                float(loss_fn(model(x), y, len(ids))) for x, y in zip(ids, labels)
+            ]
     return out
 
 
@@ -205,9 +214,24 @@ def _train(rank: int, cfg: TrainConfig, groups: list) -> dict:
             out["grads"] = _report(named, group, d, lambda p: p.grad)
         opt.step()
     out["handovers"] = executor.threads.num_yields if executor.threads else 0
+    if cfg.evaluate:
+        out.update(_evaluate(cfg, executor, named, d))
     executor.close()
     out["weights"] = _report(named, group, d, lambda p: p.detach())
     return out
+
+
+def _evaluate(cfg: TrainConfig, executor: RankExecutor, named, d: int) -> dict:
+    """A forward-only step over the batch after the last: each micro-batch's loss share by its
+    index in the batch (on the last stage's rank), and whether every gradient stayed as it was."""
+    n = cfg.num_microbatches
+    ids, labels = batches(cfg, cfg.steps)
+    before = [None if p.grad is None else p.grad.clone() for _, p in named]
+    record = executor.step(ids[d * n : (d + 1) * n], labels[d * n : (d + 1) * n], True)
+    kept = all(p.grad is None if g is None else torch.equal(g, p.grad)
+               for g, (_, p) in zip(before, named))  # fmt: skip
+    return {"eval_losses": {d * n + mb: loss for mb, loss in record.losses.items()},
+            "eval_grads_kept": kept}  # fmt: skip
 
 
 def _report(named, group, d: int, get) -> dict:
@@ -252,7 +276,8 @@ def run(cfgs: list[TrainConfig]) -> list[list[dict]]:
 
 
 def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
-    """Loss, first gradients and final weights of the ranks against the reference."""
+    """Loss, first gradients and final weights of the ranks against the reference; with
+    ``evaluate``, each micro-batch's evaluation loss too (``eval_loss``)."""
 
     def rel(a, b) -> float:
         b = torch.as_tensor(b)
@@ -267,6 +292,11 @@ def max_relative_difference(ranks: list[dict], ref: dict) -> dict[str, float]:
                 f"{key}: ranks hold {sorted(set(merged) ^ set(ref[key]))} unlike the reference"
             )
         out[key] = max(rel(merged[n], ref[key][n]) for n in ref[key])
+    if "eval_losses" in ref:
+        got = {mb: loss for r in ranks for mb, loss in r["eval_losses"].items()}
+        if sorted(got) != list(range(len(ref["eval_losses"]))):
+            raise AssertionError(f"evaluation losses of micro-batches {sorted(got)} only")
+        out["eval_loss"] = max(abs(got[mb] - b) / abs(b) for mb, b in enumerate(ref["eval_losses"]))
     return out
 
 
@@ -294,6 +324,8 @@ def main(argv=None) -> None:
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP group size at each pipeline position (ranks: PP × EP)")  # fmt: skip
     add_shape_args(p)
+    p.add_argument("--evaluate", action="store_true",
+                   help="after training, the next batch's loss by a forward-only step")  # fmt: skip
     p.add_argument("--check", action="store_true", help="compare with the one-process run")
     p.add_argument("--json", help="write the summary here")
     p.add_argument("--rank", type=int, help="run this global rank only (one process per node)")
@@ -316,7 +348,8 @@ def main(argv=None) -> None:
                         intermediate=args.moe_intermediate_size)  # fmt: skip
     cfg = TrainConfig(args.schedules_method, pp, args.num_micro_batches, v,
                       args.dualpipev_dw_detach, ep, args.moe_fb_overlap, args.steps,
-                      args.micro_batch_size, args.seq_length, model=model)  # fmt: skip
+                      args.micro_batch_size, args.seq_length, evaluate=args.evaluate,
+                      model=model)  # fmt: skip
     try:
         check_message_tags(cfg.schedule())  # refused here, not in every rank's process
     except ValueError as e:
@@ -330,6 +363,10 @@ def main(argv=None) -> None:
         ranks = [results[0] for results in every]
     summary = summarize(cfg, ranks)
     print_summary(summary)
+    if args.evaluate:
+        summary["eval_loss"] = sum(x for r in ranks for x in r["eval_losses"].values())
+        print(f"evaluation loss (forward only, the batch after the last step): "
+              f"{summary['eval_loss']:.6f}")  # fmt: skip
     if args.check:
         summary["check"] = max_relative_difference(ranks, reference(cfg))
         print(f"max relative difference to one process: {summary['check']}")

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pipeline.report import message_times
-from pipeline.schedules import Comm, Compute, Pair, dualpipev, make_schedule
+from pipeline.schedules import Comm, Compute, Pair, dualpipev, forward_schedule, make_schedule
 from pipeline.simulator import Costs, ScheduleError, check, simulate
 from pipeline.train import main as train_main
 
@@ -24,6 +24,23 @@ METHODS = [("1f1b", {}), ("vpp", {"v": 2}), ("vpp", {"v": 3}),
 def test_generated_schedules_are_valid(pp, method, options):
     for n in (2 * pp, 3 * pp):
         check(make_schedule(method, pp, n, **options))
+
+
+@pytest.mark.parametrize("pp", (2, 4))
+@pytest.mark.parametrize("method, options", METHODS, ids=lambda x: str(x))
+def test_forward_only_schedules(pp, method, options):
+    """The forward-only schedule passes the checker and runs each rank's forwards in the full
+    schedule's order, its pairs' forwards in their place; a backward in it is caught."""
+    full = make_schedule(method, pp, 2 * pp, **options)
+    forwards = make_schedule(method, pp, 2 * pp, forward_only=True, **options)
+    check(forwards)
+    for rank in range(pp):
+        assert forwards.computes(rank) == [c for c in full.computes(rank) if c.kind == "F"]
+        assert all(a.what == "act" for a in forwards.ranks[rank] if isinstance(a, Comm))
+    broken = forward_schedule(full)
+    broken.ranks[0].append(Compute("B", 0, 0))
+    with pytest.raises(ScheduleError, match="B0@s0 runs 1 times"):
+        check(broken)
 
 
 @pytest.mark.parametrize("pp", PPS)
