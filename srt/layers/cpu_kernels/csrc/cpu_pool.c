@@ -110,6 +110,15 @@ static int start_workers(int nt) {
     return pool.started >= nt - 1;
 }
 
+/* The region on OpenMP's threads: where the team is busy or cannot start. */
+static void run_on_openmp(team_fn fn, void *arg, int nt) {
+#pragma omp parallel num_threads(nt)
+    {
+        struct team team = {omp_get_thread_num(), omp_get_num_threads(), 1};
+        fn(arg, &team);
+    }
+}
+
 void team_run(team_fn fn, void *arg, int64_t parallel) {
     int nt = parallel ? omp_get_max_threads() : 1;
     nt = nt > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : nt;
@@ -119,20 +128,12 @@ void team_run(team_fn fn, void *arg, int64_t parallel) {
         return;
     }
     if (atomic_flag_test_and_set_explicit(&pool.busy, memory_order_acquire)) {
-#pragma omp parallel
-        {
-            struct team team = {omp_get_thread_num(), omp_get_num_threads(), 1};
-            fn(arg, &team);
-        }
+        run_on_openmp(fn, arg, nt);
         return;
     }
     if (!start_workers(nt)) {
         atomic_flag_clear_explicit(&pool.busy, memory_order_release);
-#pragma omp parallel num_threads(nt)
-        {
-            struct team team = {omp_get_thread_num(), omp_get_num_threads(), 1};
-            fn(arg, &team);
-        }
+        run_on_openmp(fn, arg, nt);
         return;
     }
     pool.fn = fn, pool.arg = arg, pool.nt = nt;
