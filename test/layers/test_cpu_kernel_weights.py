@@ -126,9 +126,17 @@ def test_scales_the_kernels_cannot_represent_are_refused(value):
         cpu_kernels.pack_scales(torch.full((4, 2), value))
 
 
+@pytest.fixture
+def no_amx():
+    """The bf16 GEMMs on FMAs, AMX's tiles (where this CPU has them) switched back on after."""
+    cpu_kernels.use_amx(False)
+    yield
+    cpu_kernels.use_amx(True)
+
+
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, (32, 16)])
 @pytest.mark.parametrize("rows", [1, 6, 70])
-def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weights, rows):
+def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weights, rows, no_amx):
     torch.manual_seed(rows)
     (w13, w2), scales, groups, _ = _experts(weights)
     x = torch.randn(rows, w13.shape[2]).bfloat16()
@@ -141,3 +149,32 @@ def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weig
     packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
     experts = lambda x: cpu_kernels.fused_experts(x, topk_w, ids, 0, *packed, scales, groups)  # noqa: E731
     assert torch.equal(experts(x), experts(x.float()).bfloat16())
+
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.use_amx(), reason="no AMX on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
+def test_amx_bf16_gemms_agree_with_float32_and_give_a_row_the_same_bits_in_any_batch(rows):
+    """bf16 × bf16 on AMX's tiles (their own order of sums; the experts' activation rounded to
+    bf16 between the two GEMMs, as a bf16 model rounds it): within bf16's rounding of the
+    float32 GEMMs, and a row's bits do not depend on the rows beside it, across the tiles'
+    blocks of 16 rows."""
+    torch.manual_seed(rows)
+    (w13, w2), _, _, _ = _experts(torch.bfloat16, hidden=2 * 64, inter=64)
+    x = torch.randn(rows, w13.shape[2]).bfloat16()
+    panels = cpu_kernels.pack_panels(w13[0])
+    got = cpu_kernels.panel_linear(x, panels, w13.shape[1])
+    exact = x.double() @ w13[0].double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max())
+    alone = [cpu_kernels.panel_linear(x[i : i + 1], panels, w13.shape[1]) for i in range(rows)]
+    assert torch.equal(got, torch.cat(alone))
+    topk_w, ids = torch.rand(rows, 2), torch.randint(0, 4, (rows, 2))
+    packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
+    experts = lambda x, t, i: cpu_kernels.fused_experts(x, t, i, 0, *packed)  # noqa: E731
+    got = experts(x, topk_w, ids)
+    reference = experts(x.float(), topk_w, ids)
+    torch.testing.assert_close(got.float(), reference, rtol=3e-2, atol=3e-2 * reference.abs().max())
+    alone = [experts(x[t : t + 1], topk_w[t : t + 1], ids[t : t + 1]) for t in range(rows)]
+    assert torch.equal(got, torch.cat(alone))

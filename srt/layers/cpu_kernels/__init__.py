@@ -43,6 +43,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "supports",
+    "use_amx",
 ]
 
 
@@ -60,21 +61,41 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels (``supports``).
-    The experts' kernel also needs whole panels (``expert_kernel.choose_expert_kernel``)."""
-    return supports(weight.device, weight.dtype)
+    """Whether a weight ``[N, K]`` (or stacked ``[E, N, K]``) fits the kernels (``supports``;
+    bf16 in pairs along k: an even K). The experts' kernel also needs whole panels
+    (``expert_kernel.choose_expert_kernel``)."""
+    even = weight.dtype != torch.bfloat16 or weight.shape[-1] % 2 == 0
+    return supports(weight.device, weight.dtype) and even
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``[..., N, K]`` → ``[..., ceil(N / P), K, P]`` for the kernels' panels of ``P`` columns:
-    each panel's columns contiguous per k; columns past N (the last panel's) zero."""
+    each panel's columns contiguous per k; columns past N (the last panel's) zero. bf16 panels
+    hold their weights in pairs along k instead, ``[K / 2][P][2]`` in the same shape (the
+    layout AMX's tile multiply reads, ``csrc/cpu_amx.c``); their K must be even."""
     *lead, n, k = weight.shape
     p = panel_width()
     padded = -(-n // p) * p
     weight = weight.detach()
     if padded != n:
         weight = torch.cat((weight, weight.new_zeros(*lead, padded - n, k)), dim=-2)
-    return weight.reshape(*lead, padded // p, p, k).transpose(-1, -2).contiguous()
+    panels = weight.reshape(*lead, padded // p, p, k).transpose(-1, -2)
+    if weight.dtype != torch.bfloat16:
+        return panels.contiguous()
+    if k % 2:
+        raise ValueError(f"a bf16 weight's K must be even for the CPU kernels' panels, got {k}")
+    pairs = panels.reshape(*lead, padded // p, k // 2, 2, p).transpose(-1, -2)
+    return pairs.contiguous().reshape(*lead, padded // p, k, p)
+
+
+def use_amx(enabled: bool | None = None) -> bool:
+    """Whether the bf16 GEMMs run on AMX's tiles (where the CPU and the build have them:
+    ``csrc/cpu_amx.c``); ``enabled`` switches them off or back on first (tests and benchmarks
+    compare the two paths)."""
+    lib = load_library()
+    if lib is None:
+        return False
+    return bool(lib.srt_amx(-1 if enabled is None else int(enabled)))
 
 
 # The fp8 kernels read an e4m3 byte as a float32 of its value · 2^-8 and multiply by the

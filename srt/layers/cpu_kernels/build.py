@@ -10,7 +10,8 @@ is in place, so the folder keeps one build per compiler and processor.
 
 Where there is no compiler, the processor lacks AVX2 (x86 with AVX2 and FMA, or AVX-512, is
 what the kernels' register blocks are sized for), or ``SRT_CPU_KERNELS=0`` is set,
-``load_library`` returns None and the layers keep their PyTorch (oneDNN) paths. The kernels
+``load_library`` returns None and the layers keep their PyTorch (oneDNN) paths;
+``SRT_CPU_AMX=0`` keeps the bf16 GEMMs off AMX's tiles (``csrc/cpu_amx.c``). The kernels
 run on a team of threads of their own (``csrc/cpu_pool.c``), as many as torch's intra-op
 threads at each call; the library links OpenMP too (the runtime torch has already loaded),
 for the extend attention and for a second caller while the team is busy.
@@ -33,10 +34,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    CSRC / name
-    for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_extend_attention.c", "cpu_pool.c")
-]
+_NAMES = ("cpu_kernels.c", "cpu_experts.c", "cpu_amx.c", "cpu_attention.c",
+          "cpu_extend_attention.c", "cpu_pool.c")  # fmt: skip
+SOURCES = [CSRC / name for name in _NAMES]
 HEADER = CSRC / "cpu_kernels.h"
 # -Werror=missing-prototypes: every exported function is declared in the header, so the
 # compiler checks each definition against the prototype that DECLARATIONS is tested against.
@@ -50,6 +50,7 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 DECLARATIONS: dict[str, tuple[type | None, list[type]]] = {
     "srt_panel_width": (_i64, []),
     "srt_kernel_is_fast": (_int, []),
+    "srt_amx": (_int, [_int]),
     "srt_panel_linear": (
         None, [_int, _ptr, _i64, _i64, _int, _ptr, _ptr, _i64, _i64, _ptr, _ptr]
     ),
@@ -174,4 +175,6 @@ def load_library() -> ctypes.CDLL | None:
     if not lib.srt_kernel_is_fast():
         logger.info("no AVX2/AVX-512 on this CPU: CPU kernels off, layers run in PyTorch")
         return None
+    if os.environ.get("SRT_CPU_AMX", "1") == "0":
+        lib.srt_amx(0)
     return lib

@@ -1,32 +1,22 @@
 /* GEMMs for CPU over weights packed in panels of PANEL output columns laid out [K][PANEL]
  * (``pack_panels`` in ops.py), run by the kernels' own team of threads (cpu_pool.c): a
- * linear layer (srt_panel_linear) and the routed experts of one MoE layer in one call
- * (srt_fused_experts); and RMSNorm in one pass (srt_rms_norm, float32 or bf16 activations).
+ * linear layer (srt_panel_linear; the routed experts' call, srt_fused_experts, is in
+ * cpu_experts.c) and RMSNorm in one pass (srt_rms_norm, float32 or bf16 activations).
  *
  * The GEMMs' activations and sums are float32. Weights are float32, bfloat16 or block-FP8 (e4m3
  * with a float32 scale per row and group of K rows of a panel, ``srt.layers.quantization.fp8``);
- * a bf16 or fp8 weight is turned into float32 in registers as it is read (load_w): bf16 gives
- * the float32 GEMM over the widened weight bit for bit, fp8 sums each group's raw values and
- * scales the group's sum (block_gemm), at a half or a quarter of float32's bytes.
+ * a bf16 or fp8 weight is turned into float32 in registers as it is read: bf16 (stored in pairs
+ * along k, add_products_bf16) gives the float32 GEMM over the widened weight bit for bit, fp8
+ * (load_w) sums each group's raw values and scales the group's sum (block_gemm), at a half or a
+ * quarter of float32's bytes.
  *
  * Decode gives a linear layer one row per sequence and each expert a few rows, so both are
- * bound by reading the weights: a panel is streamed once for all rows. The experts' call
- * runs in one parallel region per layer:
- *   1. route: (token, slot) pairs sorted by local expert (counting sort, stable);
- *   2. act = silu(x · W1ᵀ) · (x · W3ᵀ) for every active expert, its tokens' rows of x read in
- *      place, gate and up panels shared out among threads in pairs, so the activation is taken
- *      a block of rows at a time and neither product is written out whole;
- *   3. down = act · W2ᵀ, panels shared out as in 2;
- *   4. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
- * Every output element is the same sequence of sums over k whatever the number of rows, so a
- * token's result does not depend on the batch it came in (split and unsplit batches agree). */
+ * bound by reading the weights: a panel is streamed once for all rows. Every output element is
+ * the same sequence of sums over k whatever the number of rows, so a row's result does not
+ * depend on the batch it came in (split and unsplit batches agree). bf16 activations over bf16
+ * weights run on AMX's tiles instead where the CPU has them (cpu_amx.c). */
 
 #include "cpu_kernels.h"
-
-/* A panel is 4 vectors wide, and a block of ROWS rows keeps ROWS × 4 accumulators and the
- * panel's row of 4 vectors in registers. */
-#define PANEL (4 * VEC) /* output columns per weight panel */
-#define ROWS 4          /* rows per register block */
 
 /* The panel width the Python side packs weights for. */
 int64_t srt_panel_width(void) { return PANEL; }
@@ -69,48 +59,38 @@ static inline vec widen_fp8(const int8_t *p) {
 #endif
 }
 
-/* VEC weights from element `idx` of a panel of `type`, as float32: bf16 widens as an activation
- * does (``load_act``), e4m3 to its value · 2^-8 (``widen_fp8``). */
+/* VEC weights from element `idx` of a float32 or fp8 panel, as float32: e4m3 to its value ·
+ * 2^-8 (``widen_fp8``). bf16 panels are read in pairs (add_products_bf16). */
 static inline __attribute__((always_inline)) vec load_w(int type, const void *w, int64_t idx) {
-    if (type != T_FP8) return load_act(type, w, idx);
+    if (type == T_F32) return load_vec((const float *)w + idx);
     return widen_fp8((const int8_t *)w + idx);
 }
 
-/* A packed weight: panels [ceil(N/PANEL)][K][PANEL] of `type`; for fp8, `scale` holds per panel
- * ceil(K/group) rows of PANEL scales. For the other types `group` is K (one group). */
-struct weights {
-    const void *w;
-    const float *scale;
-    int64_t k_dim, group;
-    int type;
-};
-
-/* Panel b of a packed weight. */
-struct panel {
-    const void *w;
-    const float *scale;
-    int64_t group;
-};
-
-static inline struct panel panel_at(const struct weights *W, int64_t b) {
-    static const int64_t size[] = {4, 2, 1};
-    int64_t groups = (W->k_dim + W->group - 1) / W->group;
-    struct panel p = {(const char *)W->w + b * W->k_dim * PANEL * size[W->type],
-                      W->scale ? W->scale + b * groups * PANEL : NULL, W->group};
-    return p;
-}
-
-/* Where a GEMM's input rows lie: row i at base + (order ? order[i] / div : i) · ld (the experts'
- * first GEMM reads each token's row of x in place for every slot routed to it). */
-struct rows {
-    const float *base;
-    int64_t ld;
-    const int64_t *order;
-    int64_t div;
-};
-
 static inline const float *row_at(const struct rows *x, int64_t i) {
     return x->base + (x->order ? x->order[i] / x->div : i) * x->ld;
+}
+
+/* add_products for a bf16 panel, which holds its weights in pairs along k ([K/2][PANEL][2],
+ * ``pack_panels``, as AMX reads them): a 32-bit lane holds column j's weights at k (low half)
+ * and k + 1 (high half), each a float32 once in the upper half. k0 and k1 are even; each
+ * element's sums run over k in order, as for the other types. */
+static inline __attribute__((always_inline)) void add_products_bf16(const float *const *in,
+                                                                    int64_t m, struct panel p,
+                                                                    int64_t k0, int64_t k1,
+                                                                    int hold, int nv,
+                                                                    vec sums[ROWS][4]) {
+    for (int64_t k = k0; k < k1; k += 2) {
+        for (int q = 0; q < nv; q++) {
+            uvec pair;
+            memcpy(&pair, (const uint16_t *)p.w + k * PANEL + q * 2 * VEC, sizeof pair);
+            vec even = (vec)(pair << 16), odd = (vec)(pair & 0xffff0000u);
+#if defined(__AVX__) /* x86, one register per vector */
+            if (hold) __asm__("" : "+v"(even), "+v"(odd));
+#endif
+            for (int64_t i = 0; i < m; i++) sums[i][q] = fma_vec(sums[i][q], in[i][k], even);
+            for (int64_t i = 0; i < m; i++) sums[i][q] = fma_vec(sums[i][q], in[i][k + 1], odd);
+        }
+    }
 }
 
 /* sums[i, 0:nv·VEC] += Σ_{k0 ≤ k < k1} x_i[k] · panel[k, 0:nv·VEC] for rows x_i = in[i],
@@ -124,6 +104,10 @@ static inline __attribute__((always_inline)) void add_products(const float *cons
                                                                int64_t k0, int64_t k1,
                                                                int hold, int nv, int type,
                                                                vec sums[ROWS][4]) {
+    if (type == T_BF16) {
+        add_products_bf16(in, m, p, k0, k1, hold, nv, sums);
+        return;
+    }
     for (int64_t k = k0; k < k1; k++) {
         vec w[4];
         for (int q = 0; q < nv; q++) {
@@ -195,134 +179,17 @@ PANEL_GEMM(T_FP8)
 
 /* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (nv = 4: the whole
  * panel; fewer: a narrow last panel, whose vectors past nv are not computed). */
-static void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
-                       int64_t ldy, int nv, int type) {
+void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
+                int64_t ldy, int nv, int type) {
     if (type == T_BF16) panel_gemm_T_BF16(x, n, p, k_dim, y, ldy, nv);
     else if (type == T_FP8) panel_gemm_T_FP8(x, n, p, k_dim, y, ldy, nv);
     else panel_gemm_T_F32(x, n, p, k_dim, y, ldy, nv);
 }
 
-/* act[r, 0:PANEL] = silu(gate) · up for rows r < n of x, gate and up the products with two
- * panels, block by block of ROWS rows (neither is written out whole). */
-static void act_gemm(const struct rows *x, int64_t n, struct panel gate_panel,
-                     struct panel up_panel, int64_t k_dim, float *act, int64_t ld_act,
-                     int type) {
-    float gate[ROWS * PANEL], up[ROWS * PANEL];
-    for (int64_t r = 0; r < n; r += ROWS) {
-        int64_t m = n - r < ROWS ? n - r : ROWS;
-        struct rows block = *x;
-        if (x->order) block.order += r;
-        else block.base += r * x->ld;
-        panel_gemm(&block, m, gate_panel, k_dim, gate, PANEL, 4, type);
-        panel_gemm(&block, m, up_panel, k_dim, up, PANEL, 4, type);
-        for (int64_t i = 0; i < m; i++) {
-            const float *g = gate + i * PANEL, *u = up + i * PANEL;
-            float *a = act + (r + i) * ld_act;
-            for (int64_t j = 0; j < PANEL; j++) a[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
-        }
-    }
-}
-
-/* act = silu(x · W1ᵀ) · (x · W3ᵀ) [routed, I] for every active expert, its rows of x read in
- * place (by each thread of a team): each thread takes a contiguous share of every expert's
- * gate panels (and the matching up panels), balanced however unevenly the tokens went to
- * experts. `w13` is expert 0's packed weight; expert e's follows at e · 2I/PANEL panels. Ends
- * with a barrier. */
-static void experts_act(const struct team *team, const float *x, int64_t hidden, const int64_t *order, int64_t topk,
-                        const struct weights *w13, int64_t inter, const int64_t *active,
-                        int64_t num_active, const int64_t *begin, const int64_t *count,
-                        float *act) {
-    int64_t panels = inter / PANEL, lo, hi;
-    team_share(team, panels, &lo, &hi);
-    for (int64_t a = 0; a < num_active; a++) {
-        int64_t e = active[a], first = e * 2 * panels;
-        struct rows rows = {x, hidden, order + begin[e], topk};
-        for (int64_t b = lo; b < hi; b++)
-            act_gemm(&rows, count[e], panel_at(w13, first + b),
-                     panel_at(w13, first + panels + b), hidden,
-                     act + begin[e] * inter + b * PANEL, inter, w13->type);
-    }
-    team_barrier(team);
-}
-
-/* down = act · W2ᵀ [routed, H] for every active expert, shared out as in experts_act. */
-static void experts_down(const struct team *team, const float *act, int64_t inter, const struct weights *w2,
-                         int64_t hidden, const int64_t *active, int64_t num_active,
-                         const int64_t *begin, const int64_t *count, float *down) {
-    int64_t panels = hidden / PANEL, lo, hi;
-    team_share(team, panels, &lo, &hi);
-    for (int64_t a = 0; a < num_active; a++) {
-        int64_t e = active[a];
-        struct rows rows = {act + begin[e] * inter, inter, NULL, 1};
-        for (int64_t b = lo; b < hi; b++)
-            panel_gemm(&rows, count[e], panel_at(w2, e * panels + b), inter,
-                       down + begin[e] * hidden + b * PANEL, hidden, 4, w2->type);
-    }
-    team_barrier(team);
-}
-
-/* The (token, slot) pairs of this rank's experts, sorted by expert. */
-struct routing {
-    int64_t *count, *begin, *active, *order, *position; /* position[pair]: its row, or -1 */
-    int64_t num_active, routed;
-};
-
-static void free_routing(struct routing *r) {
-    free(r->count), free(r->begin), free(r->active), free(r->order), free(r->position);
-}
-
-/* Stable counting sort of the pairs by local expert (global id - start); -1 when out of memory. */
-static int route(const int64_t *ids, int64_t pairs, int64_t start, int64_t num_experts,
-                 struct routing *r) {
-    r->count = calloc(num_experts, sizeof *r->count);
-    r->begin = malloc(num_experts * sizeof *r->begin);
-    r->active = malloc(num_experts * sizeof *r->active);
-    r->order = malloc((pairs + 1) * sizeof *r->order);
-    r->position = malloc((pairs + 1) * sizeof *r->position);
-    if (!r->count || !r->begin || !r->active || !r->order || !r->position) return -1;
-    for (int64_t p = 0, e; p < pairs; p++)
-        if ((e = ids[p] - start) >= 0 && e < num_experts) r->count[e]++;
-    r->num_active = r->routed = 0;
-    for (int64_t e = 0; e < num_experts; e++) {
-        r->begin[e] = r->routed;
-        r->routed += r->count[e];
-        if (r->count[e]) r->active[r->num_active++] = e;
-    }
-    memset(r->count, 0, num_experts * sizeof *r->count); /* counted again while placing */
-    for (int64_t p = 0, e; p < pairs; p++) {
-        r->position[p] = -1;
-        if ((e = ids[p] - start) >= 0 && e < num_experts) {
-            r->position[p] = r->begin[e] + r->count[e]++;
-            r->order[r->position[p]] = p;
-        }
-    }
-    return 0;
-}
-
-/* out[t] = Σ_slot weight · down[row of (t, slot)], slots in order (each thread its share of
- * the tokens). */
-static void combine(const struct team *team, const float *down, const struct routing *r,
-                    const float *weights, int64_t num_tokens, int64_t topk, int64_t hidden,
-                    float *out) {
-    int64_t lo, hi;
-    team_share(team, num_tokens, &lo, &hi);
-    for (int64_t t = lo; t < hi; t++) {
-        float *o = out + t * hidden;
-        memset(o, 0, hidden * sizeof *o);
-        for (int64_t s = 0; s < topk; s++) {
-            int64_t pos = r->position[t * topk + s];
-            if (pos < 0) continue;
-            float w = weights[t * topk + s];
-            const float *d = down + pos * hidden;
-            for (int64_t j = 0; j < hidden; j++) o[j] += w * d[j];
-        }
-    }
-}
-
 /* n activations of `type` widened into float32 dst, or float32 src narrowed into n activations,
  * shared out among a team's threads in chunks of 4096 (every thread calls; each ends with a
  * barrier). */
-static void widen_shared(const struct team *team, int type, const void *p, int64_t n,
+void widen_shared(const struct team *team, int type, const void *p, int64_t n,
                          float *dst) {
     int64_t size = type == T_F32 ? 4 : 2, lo, hi;
     team_share(team, (n + 4095) / 4096, &lo, &hi);
@@ -331,74 +198,13 @@ static void widen_shared(const struct team *team, int type, const void *p, int64
     team_barrier(team);
 }
 
-static void narrow_shared(const struct team *team, int type, const float *src, int64_t n,
+void narrow_shared(const struct team *team, int type, const float *src, int64_t n,
                           void *p) {
     int64_t size = type == T_F32 ? 4 : 2, lo, hi;
     team_share(team, (n + 4095) / 4096, &lo, &hi);
     for (int64_t c = lo * 4096; c < hi * 4096 && c < n; c += 4096)
         narrow_acts(type, src + c, n - c < 4096 ? n - c : 4096, (char *)p + c * size);
     team_barrier(team);
-}
-
-/* srt_fused_experts' arguments as its region reads them. */
-struct experts_call {
-    int act;
-    const void *x;
-    const float *xf;
-    int64_t num_tokens, hidden, topk;
-    const float *weights;
-    const struct routing *r;
-    const struct weights *up, *down_w;
-    int64_t inter;
-    float *gated, *down, *outf;
-    void *out;
-};
-
-static void experts_region(void *arg, const struct team *team) {
-    const struct experts_call *c = arg;
-    const struct routing *r = c->r;
-    if (c->act != T_F32)
-        widen_shared(team, c->act, c->x, c->num_tokens * c->hidden, (float *)c->xf);
-    experts_act(team, c->xf, c->hidden, r->order, c->topk, c->up, c->inter, r->active,
-                r->num_active, r->begin, r->count, c->gated);
-    experts_down(team, c->gated, c->inter, c->down_w, c->hidden, r->active, r->num_active,
-                 r->begin, r->count, c->down);
-    combine(team, c->down, r, c->weights, c->num_tokens, c->topk, c->hidden, c->outf);
-    if (c->act != T_F32) {
-        team_barrier(team);
-        narrow_shared(team, c->act, c->outf, c->num_tokens * c->hidden, c->out);
-    }
-}
-
-/* x [T, H]; ids, weights [T, topk] (global expert ids; this rank holds [start, start + E));
- * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL], both of `type`, with
- * their scales [E][2I/PANEL][ceil(H/group13)][PANEL] and [E][H/PANEL][ceil(I/group2)][PANEL]
- * for fp8 (else NULL); out [T, H]; x and out float32 or bf16 (`act`: bf16 is widened into
- * float32 first and the float32 result narrowed at the end). `work` holds T·topk·(H + I)
- * floats, and 2·T·H more for bf16; the caller keeps it from call to call, because fresh
- * buffers this large are mapped anew by malloc and every first touch of a page faults.
- * Returns 0, or SRT_OUT_OF_MEMORY. */
-int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden,
-                      const int64_t *ids, const float *weights, int64_t topk, int64_t start,
-                      int64_t num_experts, int64_t inter, int type, const void *w13,
-                      const float *scale13, int64_t group13, const void *w2,
-                      const float *scale2, int64_t group2, void *out, float *work) {
-    struct routing r;
-    if (route(ids, num_tokens * topk, start, num_experts, &r)) {
-        free_routing(&r);
-        return SRT_OUT_OF_MEMORY;
-    }
-    struct weights up = {w13, scale13, hidden, scale13 ? group13 : hidden, type};
-    struct weights down_w = {w2, scale2, inter, scale2 ? group2 : inter, type};
-    /* act [routed, I] | down [routed, H] | bf16: x and out in float32 [T, H] each */
-    float *gated = work, *down = gated + num_tokens * topk * inter;
-    float *xf = (float *)x, *outf = out;
-    if (act != T_F32) xf = down + num_tokens * topk * hidden, outf = xf + num_tokens * hidden;
-    struct experts_call c = {act, x, xf, num_tokens, hidden, topk, weights, &r, &up, &down_w,
-                             inter, gated, down, outf, out};
-    team_run(experts_region, &c, 1);
-    free_routing(&r);
-    return 0;
 }
 
 /* A linear layer (or one expert's projection): y [n, N] = x [n, K] · Wᵀ, W packed
@@ -417,7 +223,7 @@ struct linear_call {
     const void *x;
     float *xf;
     int64_t n, k_dim;
-    int type;
+    int type, amx; /* amx: bf16 rows of x times bf16 panels on AMX's tiles */
     const struct weights *W;
     int64_t n_dim, full, rest, chunks;
     int nv;
@@ -425,26 +231,39 @@ struct linear_call {
     void *y;
 };
 
+/* y[i, :] for m rows of x from r0 times panel b (nv vectors of it), on the tiles or FMAs. */
+static void linear_rows(const struct linear_call *c, int64_t b, int64_t r0, int64_t m, float *y,
+                        int64_t ldy, int nv, int *tiles) {
+    struct panel p = panel_at(c->W, b);
+    if (c->amx) {
+        const uint16_t *x = (const uint16_t *)c->x + r0 * c->k_dim;
+        amx_panel_gemm(tiles, x, c->k_dim, m, p.w, c->k_dim, y, ldy);
+        return;
+    }
+    struct rows rows = {c->xf + r0 * c->k_dim, c->k_dim, NULL, 1};
+    panel_gemm(&rows, m, p, c->k_dim, y, ldy, nv, c->type);
+}
+
 static void linear_region(void *arg, const struct team *team) {
     const struct linear_call *c = arg;
-    int64_t n = c->n, k_dim = c->k_dim, n_dim = c->n_dim, full = c->full, lo, hi;
-    if (c->act != T_F32) widen_shared(team, c->act, c->x, n * k_dim, c->xf);
+    int64_t n = c->n, n_dim = c->n_dim, full = c->full, lo, hi;
+    int tiles = 0;
+    if (c->act != T_F32 && !c->amx) widen_shared(team, c->act, c->x, n * c->k_dim, c->xf);
     team_share(team, (full + (c->rest > 0)) * c->chunks, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) {
         int64_t b = u / c->chunks, r0 = (u % c->chunks) * LINEAR_CHUNK;
         int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
-        struct rows rows = {c->xf + r0 * k_dim, k_dim, NULL, 1};
         if (b < full) {
-            panel_gemm(&rows, m, panel_at(c->W, b), k_dim, c->yf + r0 * n_dim + b * PANEL, n_dim,
-                       4, c->type);
+            linear_rows(c, b, r0, m, c->yf + r0 * n_dim + b * PANEL, n_dim, 4, &tiles);
             continue;
         }
         float last[LINEAR_CHUNK * PANEL];
-        panel_gemm(&rows, m, panel_at(c->W, b), k_dim, last, PANEL, c->nv, c->type);
+        linear_rows(c, b, r0, m, last, PANEL, c->nv, &tiles);
         for (int64_t i = 0; i < m; i++)
             memcpy(c->yf + (r0 + i) * n_dim + full * PANEL, last + i * PANEL,
                    c->rest * sizeof *last);
     }
+    amx_end(&tiles);
     if (c->act != T_F32) {
         team_barrier(team);
         narrow_shared(team, c->act, c->yf, n * n_dim, c->y);
@@ -458,9 +277,11 @@ void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
     int64_t chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
+    int amx = act == T_BF16 && type == T_BF16 && amx_usable(k_dim);
     float *xf = (float *)x, *yf = y;
     if (act != T_F32) xf = work, yf = work + n * k_dim;
-    struct linear_call c = {act, x, xf, n, k_dim, type, &W, n_dim, full, rest, chunks, nv, yf, y};
+    struct linear_call c = {act, x, xf, n, k_dim, type, amx, &W, n_dim, full, rest, chunks, nv,
+                            yf, y};
     team_run(linear_region, &c, 1);
 }
 

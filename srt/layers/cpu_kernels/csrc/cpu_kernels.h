@@ -22,6 +22,7 @@
  * (WEIGHT_TYPES). */
 int64_t srt_panel_width(void);
 int srt_kernel_is_fast(void);
+int srt_amx(int mode);
 void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type,
                       const void *panels, const float *scale, int64_t group, int64_t n_dim,
                       void *y, float *work);
@@ -97,6 +98,19 @@ static inline int check_sequence(const struct slot_table *t, int64_t row, int64_
 #endif
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
+
+/* The GEMMs' weight panels are 4 vectors wide, and a block of ROWS rows keeps ROWS × 4
+ * accumulators and the panel's row of 4 vectors in registers (cpu_kernels.c). */
+#define PANEL (4 * VEC) /* output columns per weight panel */
+#define ROWS 4          /* rows per register block */
+
+/* The bf16 × bf16 GEMMs on AMX's tiles (cpu_amx.c): amx_usable says whether they run here for
+ * a K of k_dim; amx_panel_gemm computes y[i, 0:PANEL] = a_i · panel for n rows a_i = a + i · lda;
+ * `rows` is a thread's tile state within a region (0 at its start), amx_end releases it. */
+int amx_usable(int64_t k_dim);
+void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
+                    const uint16_t *panel, int64_t k_dim, float *y, int64_t ldy);
+void amx_end(int *rows);
 
 static inline vec load_vec(const float *p) {
     vec v;
@@ -233,5 +247,49 @@ static inline float fast_exp(float v) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+/* The GEMMs' weights and input rows (cpu_kernels.c), shared with the experts' kernel
+ * (cpu_experts.c). */
+/* A packed weight: panels [ceil(N/PANEL)][K][PANEL] of `type`; for fp8, `scale` holds per panel
+ * ceil(K/group) rows of PANEL scales. For the other types `group` is K (one group). */
+struct weights {
+    const void *w;
+    const float *scale;
+    int64_t k_dim, group;
+    int type;
+};
+
+/* Panel b of a packed weight. */
+struct panel {
+    const void *w;
+    const float *scale;
+    int64_t group;
+};
+
+static inline struct panel panel_at(const struct weights *W, int64_t b) {
+    static const int64_t size[] = {4, 2, 1};
+    int64_t groups = (W->k_dim + W->group - 1) / W->group;
+    struct panel p = {(const char *)W->w + b * W->k_dim * PANEL * size[W->type],
+                      W->scale ? W->scale + b * groups * PANEL : NULL, W->group};
+    return p;
+}
+
+/* Where a GEMM's input rows lie: row i at base + (order ? order[i] / div : i) · ld (the experts'
+ * first GEMM reads each token's row of x in place for every slot routed to it). */
+struct rows {
+    const float *base;
+    int64_t ld;
+    const int64_t *order;
+    int64_t div;
+};
+
+/* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (cpu_kernels.c). */
+void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
+                int64_t ldy, int nv, int type);
+
+/* n activations of `type` widened into float32 dst, or float32 src narrowed into n activations,
+ * by every thread of a team (each ends with a barrier). */
+void widen_shared(const struct team *team, int type, const void *p, int64_t n, float *dst);
+void narrow_shared(const struct team *team, int type, const float *src, int64_t n, void *p);
 
 #endif

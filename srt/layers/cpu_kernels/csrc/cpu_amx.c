@@ -1,0 +1,126 @@
+/* The bf16 × bf16 GEMM of a block of rows with one weight panel on AMX's tiles (Intel's
+ * Advanced Matrix Extensions, Sapphire Rapids and later), where the build and the CPU have
+ * them: srt_panel_linear and srt_fused_experts take it for bfloat16 activations over bfloat16
+ * weights (cpu_kernels.c). Decode reads each weight once whatever the instructions; prefill and
+ * large batches are bound by arithmetic, and one tile instruction does 16 × 16 × 32
+ * multiply-adds where an AVX-512 FMA does 16 (a 1536 × 1024 weight, 2048 rows, 2 threads: 25 ms
+ * on FMAs against 2.1 ms for oneDNN's AMX GEMM).
+ *
+ * The tile multiply (TDPBF16PS) takes the weights as bf16 pairs along k ("VNNI" layout), which is
+ * how bf16 panels are packed ([K/2][PANEL][2], ``pack_panels``); the FMA kernels read the same
+ * layout. Products of two bf16 numbers are exact in float32 and the sums are float32, in an order
+ * the hardware fixes for each output element whatever the number of rows: a row's result does
+ * not depend on its batch. It is not the FMA kernels' order, and the instruction treats float32
+ * subnormals as zero; the results agree with float32 arithmetic to its rounding.
+ *
+ * Tiles: 0-3 the sums of a block of up to 16 rows × the panel's 64 columns, 4 a block of
+ * activations (rows × 32 k), 5 and 6 the panel's 32 k × 16 columns in pairs. The tile
+ * configuration is per thread and other code (oneDNN) changes it: each region loads its own
+ * (amx_rows) and releases the tiles when it ends. */
+
+#define _GNU_SOURCE
+#include "cpu_kernels.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && PANEL == 64
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for an extended state component */
+#define XFEATURE_XTILEDATA 18       /* AMX's tile data */
+
+/* 1 where the tiles may be used: built with them, and the kernel granted the process their
+ * state (asked once). srt_amx switches them off and on (tests compare both paths). */
+static int amx_state = -1;
+
+static int amx_granted(void) {
+#if HAVE_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* mode < 0: whether AMX is used; 0: stop using it; > 0: use it where it can be. Returns
+ * whether it is used now. */
+int srt_amx(int mode) {
+    static int granted = -1;
+    if (granted < 0) granted = amx_granted();
+    if (amx_state < 0 || mode >= 0) amx_state = granted && mode != 0;
+    return amx_state;
+}
+
+int amx_usable(int64_t k_dim) { return k_dim % 32 == 0 && srt_amx(-1); }
+
+#if HAVE_AMX
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64)));
+
+/* Tiles configured for blocks of m rows, unless they already are (*rows == m). */
+static void amx_rows(int *rows, int m) {
+    if (*rows == m) return;
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = t < 5 ? m : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    *rows = m;
+}
+
+/* y[i, 0:64] = a_i · panel for i < m ≤ 16, rows a_i = a + i · lda (bf16), the panel bf16 in
+ * pairs along k (its pair row j at panel + j · 2 · PANEL), k_dim a multiple of 32. */
+static void amx_block(int *rows, const uint16_t *a, int64_t lda, int m, const uint16_t *panel,
+                      int64_t k_dim, float *y, int64_t ldy) {
+    amx_rows(rows, m);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t pair_row = 2 * PANEL * sizeof *panel;
+    for (int64_t k = 0; k < k_dim; k += 32) {
+        const uint16_t *b = panel + k * PANEL;
+        _tile_loadd(4, a + k, lda * sizeof *a);
+        _tile_loadd(5, b, pair_row);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 32, pair_row);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 64, pair_row);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b + 96, pair_row);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, y, ldy * sizeof *y);
+    _tile_stored(1, y + 16, ldy * sizeof *y);
+    _tile_stored(2, y + 32, ldy * sizeof *y);
+    _tile_stored(3, y + 48, ldy * sizeof *y);
+}
+#endif
+
+void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
+                    const uint16_t *panel, int64_t k_dim, float *y, int64_t ldy) {
+#if HAVE_AMX
+    for (int64_t r = 0; r < n; r += 16)
+        amx_block(rows, a + r * lda, lda, n - r < 16 ? (int)(n - r) : 16, panel, k_dim,
+                  y + r * ldy, ldy);
+#else
+    (void)rows, (void)a, (void)lda, (void)n, (void)panel, (void)k_dim, (void)y, (void)ldy;
+    abort(); /* amx_usable is 0 */
+#endif
+}
+
+void amx_end(int *rows) {
+#if HAVE_AMX
+    if (*rows) _tile_release();
+#endif
+    *rows = 0;
+}
