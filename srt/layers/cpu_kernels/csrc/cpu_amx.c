@@ -77,17 +77,25 @@ static void amx_rows(int *rows, int m) {
     *rows = m;
 }
 
-/* y[i, 0:64] = a_i · panel for i < m ≤ 16, rows a_i = a + i · lda (bf16), the panel bf16 in
- * pairs along k (its pair row j at panel + j · 2 · PANEL), k_dim a multiple of 32. */
+/* y[i, 0:64] (+)= Σ_{k0 ≤ k < k1} a_i[k] · panel[k] for i < m ≤ 16, rows a_i = a + i · lda
+ * (bf16), the panel bf16 in pairs along k (its pair row j at panel + j · 2 · PANEL), k0 and k1
+ * multiples of 32: the sums start from zero at k0 = 0, else from y. */
 static void amx_block(int *rows, const uint16_t *a, int64_t lda, int m, const uint16_t *panel,
-                      int64_t k_dim, float *y, int64_t ldy) {
+                      int64_t k0, int64_t k1, float *y, int64_t ldy) {
+    const int64_t pair_row = 2 * PANEL * sizeof *panel, ld = ldy * sizeof *y;
     amx_rows(rows, m);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const int64_t pair_row = 2 * PANEL * sizeof *panel;
-    for (int64_t k = 0; k < k_dim; k += 32) {
+    if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, y, ld);
+        _tile_loadd(1, y + 16, ld);
+        _tile_loadd(2, y + 32, ld);
+        _tile_loadd(3, y + 48, ld);
+    }
+    for (int64_t k = k0; k < k1; k += 32) {
         const uint16_t *b = panel + k * PANEL;
         _tile_loadd(4, a + k, lda * sizeof *a);
         _tile_loadd(5, b, pair_row);
@@ -99,19 +107,26 @@ static void amx_block(int *rows, const uint16_t *a, int64_t lda, int m, const ui
         _tile_loadd(6, b + 96, pair_row);
         _tile_dpbf16ps(3, 4, 6);
     }
-    _tile_stored(0, y, ldy * sizeof *y);
-    _tile_stored(1, y + 16, ldy * sizeof *y);
-    _tile_stored(2, y + 32, ldy * sizeof *y);
-    _tile_stored(3, y + 48, ldy * sizeof *y);
+    _tile_stored(0, y, ld);
+    _tile_stored(1, y + 16, ld);
+    _tile_stored(2, y + 32, ld);
+    _tile_stored(3, y + 48, ld);
 }
 #endif
+
+/* The panel's K in slices of AMX_K (32 KB of a bf16 panel), each slice read for every block of
+ * 16 rows while it is in the first-level cache; the sums go to y and back between slices. */
+#define AMX_K 256
 
 void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
                     const uint16_t *panel, int64_t k_dim, float *y, int64_t ldy) {
 #if HAVE_AMX
-    for (int64_t r = 0; r < n; r += 16)
-        amx_block(rows, a + r * lda, lda, n - r < 16 ? (int)(n - r) : 16, panel, k_dim,
-                  y + r * ldy, ldy);
+    for (int64_t k0 = 0; k0 < k_dim; k0 += AMX_K) {
+        int64_t k1 = k0 + AMX_K < k_dim ? k0 + AMX_K : k_dim;
+        for (int64_t r = 0; r < n; r += 16)
+            amx_block(rows, a + r * lda, lda, n - r < 16 ? (int)(n - r) : 16, panel, k0, k1,
+                      y + r * ldy, ldy);
+    }
 #else
     (void)rows, (void)a, (void)lda, (void)n, (void)panel, (void)k_dim, (void)y, (void)ldy;
     abort(); /* amx_usable is 0 */

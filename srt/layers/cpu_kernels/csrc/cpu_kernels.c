@@ -231,42 +231,52 @@ struct linear_call {
     void *y;
 };
 
-/* y[i, :] for m rows of x from r0 times panel b (nv vectors of it), on the tiles or FMAs. */
-static void linear_rows(const struct linear_call *c, int64_t b, int64_t r0, int64_t m, float *y,
-                        int64_t ldy, int nv, int *tiles) {
+/* AMX: rows r0 .. r0 + m of y (bf16) from panel b, through float32 sums that stay in cache
+ * (no float32 copy of y is written). */
+static void linear_tiles(const struct linear_call *c, int64_t b, int64_t r0, int64_t m,
+                         int *tiles) {
+    float sums[LINEAR_CHUNK * PANEL];
+    int64_t cols = b < c->full ? PANEL : c->rest, k_dim = c->k_dim;
+    const uint16_t *x = c->x;
+    amx_panel_gemm(tiles, x + r0 * k_dim, k_dim, m, panel_at(c->W, b).w, k_dim, sums, PANEL);
+    for (int64_t i = 0; i < m; i++)
+        narrow_acts(T_BF16, sums + i * PANEL, cols,
+                    (uint16_t *)c->y + (r0 + i) * c->n_dim + b * PANEL);
+}
+
+/* y[i, :] for m rows of x from r0 times panel b on FMAs (float32 y; a partial last panel
+ * through a buffer of its own). */
+static void linear_rows(const struct linear_call *c, int64_t b, int64_t r0, int64_t m) {
     struct panel p = panel_at(c->W, b);
-    if (c->amx) {
-        const uint16_t *x = (const uint16_t *)c->x + r0 * c->k_dim;
-        amx_panel_gemm(tiles, x, c->k_dim, m, p.w, c->k_dim, y, ldy);
+    struct rows rows = {c->xf + r0 * c->k_dim, c->k_dim, NULL, 1};
+    if (b < c->full) {
+        panel_gemm(&rows, m, p, c->k_dim, c->yf + r0 * c->n_dim + b * PANEL, c->n_dim, 4,
+                   c->type);
         return;
     }
-    struct rows rows = {c->xf + r0 * c->k_dim, c->k_dim, NULL, 1};
-    panel_gemm(&rows, m, p, c->k_dim, y, ldy, nv, c->type);
+    float last[LINEAR_CHUNK * PANEL];
+    panel_gemm(&rows, m, p, c->k_dim, last, PANEL, c->nv, c->type);
+    for (int64_t i = 0; i < m; i++)
+        memcpy(c->yf + (r0 + i) * c->n_dim + c->full * PANEL, last + i * PANEL,
+               c->rest * sizeof *last);
 }
 
 static void linear_region(void *arg, const struct team *team) {
     const struct linear_call *c = arg;
-    int64_t n = c->n, n_dim = c->n_dim, full = c->full, lo, hi;
+    int64_t n = c->n, lo, hi;
     int tiles = 0;
     if (c->act != T_F32 && !c->amx) widen_shared(team, c->act, c->x, n * c->k_dim, c->xf);
-    team_share(team, (full + (c->rest > 0)) * c->chunks, &lo, &hi);
+    team_share(team, (c->full + (c->rest > 0)) * c->chunks, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) {
         int64_t b = u / c->chunks, r0 = (u % c->chunks) * LINEAR_CHUNK;
         int64_t m = n - r0 < LINEAR_CHUNK ? n - r0 : LINEAR_CHUNK;
-        if (b < full) {
-            linear_rows(c, b, r0, m, c->yf + r0 * n_dim + b * PANEL, n_dim, 4, &tiles);
-            continue;
-        }
-        float last[LINEAR_CHUNK * PANEL];
-        linear_rows(c, b, r0, m, last, PANEL, c->nv, &tiles);
-        for (int64_t i = 0; i < m; i++)
-            memcpy(c->yf + (r0 + i) * n_dim + full * PANEL, last + i * PANEL,
-                   c->rest * sizeof *last);
+        if (c->amx) linear_tiles(c, b, r0, m, &tiles);
+        else linear_rows(c, b, r0, m);
     }
     amx_end(&tiles);
-    if (c->act != T_F32) {
+    if (c->act != T_F32 && !c->amx) {
         team_barrier(team);
-        narrow_shared(team, c->act, c->yf, n * n_dim, c->y);
+        narrow_shared(team, c->act, c->yf, n * c->n_dim, c->y);
     }
 }
 
@@ -292,7 +302,17 @@ static inline __attribute__((always_inline)) void norm_row(int type, const void 
                                                            const void *residual, void *sum_out,
                                                            const void *weight, float eps,
                                                            int64_t dim, float *h, void *out) {
-    for (int64_t j = 0; j < dim; j++) {
+    int64_t j = 0;
+    for (; j + VEC <= dim; j += VEC) {
+        vec v = load_act(type, x, j);
+        if (residual) {
+            v += load_act(type, residual, j);
+            if (type == T_BF16) v = round_bf16(v);
+            store_act(type, sum_out, j, v);
+        }
+        store_vec(h + j, v);
+    }
+    for (; j < dim; j++) {
         h[j] = get_act(type, x, j);
         if (residual) {
             put_act(type, sum_out, j, h[j] + get_act(type, residual, j));
@@ -300,15 +320,19 @@ static inline __attribute__((always_inline)) void norm_row(int type, const void 
         }
     }
     vec acc = {0};
-    int64_t j = 0;
-    for (; j + VEC <= dim; j += VEC) {
+    for (j = 0; j + VEC <= dim; j += VEC) {
         vec v = load_vec(h + j);
         acc += v * v;
     }
     float sum = sum_lanes(acc);
     for (; j < dim; j++) sum += h[j] * h[j];
     float scale = 1.0f / sqrtf(sum / (float)dim + eps);
-    for (j = 0; j < dim; j++) {
+    for (j = 0; j + VEC <= dim; j += VEC) {
+        vec normed = load_vec(h + j) * scale;
+        if (type == T_BF16) normed = round_bf16(normed);
+        store_act(type, out, j, load_act(type, weight, j) * normed);
+    }
+    for (; j < dim; j++) {
         float normed = h[j] * scale;
         if (type == T_BF16) normed = to_bf16(normed);
         put_act(type, out, j, get_act(type, weight, j) * normed);

@@ -192,6 +192,30 @@ static inline float to_bf16(float v) {
     return get_act(T_BF16, &b, 0);
 }
 
+/* v rounded to bf16's precision lane by lane (as ``put_act``), as float32. */
+static inline vec round_bf16(vec v) {
+    uvec bits;
+    memcpy(&bits, &v, sizeof bits);
+    uvec nan = (uvec)((bits & 0x7fffffffu) > 0x7f800000u);
+    uvec rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+    bits = (((bits | 0x00400000u) & nan) | (rounded & ~nan)) & 0xffff0000u;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* VEC float32 values into activations of `type` from element i of p (bf16: ``round_bf16``). */
+static inline __attribute__((always_inline)) void store_act(int type, void *p, int64_t i, vec v) {
+    if (type == T_F32) {
+        store_vec((float *)p + i, v);
+        return;
+    }
+    uvec bits;
+    v = round_bf16(v);
+    memcpy(&bits, &v, sizeof bits);
+    bf16vec half = __builtin_convertvector(bits >> 16, bf16vec);
+    memcpy((uint16_t *)p + i, &half, sizeof half);
+}
+
 /* n activations from p into float32 dst, and n float32 from src out as activations. */
 static inline void widen_acts(int type, const void *p, int64_t n, float *dst) {
     if (type == T_F32) memcpy(dst, p, n * sizeof *dst);
@@ -200,9 +224,13 @@ static inline void widen_acts(int type, const void *p, int64_t n, float *dst) {
 }
 
 static inline void narrow_acts(int type, const float *src, int64_t n, void *p) {
-    if (type == T_F32) memcpy(p, src, n * sizeof *src);
-    else
-        for (int64_t i = 0; i < n; i++) put_act(T_BF16, p, i, src[i]);
+    if (type == T_F32) {
+        memcpy(p, src, n * sizeof *src);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + VEC <= n; i += VEC) store_act(T_BF16, p, i, load_vec(src + i));
+    for (; i < n; i++) put_act(T_BF16, p, i, src[i]);
 }
 
 /* acc + a·b lane by lane as one fused multiply-add (as fma_vec, for a vector a). */
