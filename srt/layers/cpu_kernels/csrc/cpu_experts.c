@@ -37,12 +37,16 @@ struct experts_call {
 
 /* act[r, 0:PANEL] = silu(gate) · up for rows r < n, gate and up the products with two panels,
  * block by block of rows (neither is written out whole): float32 rows read through `x` on
- * FMAs, or (AMX) bf16 rows xb [n, K] on the tiles, their act rounded to bf16. */
+ * FMAs, ROWS at a time, or (AMX) bf16 rows xb [n, K] on the tiles, AMX_ROWS at a time (each
+ * slice of a panel read once for all of them: ``amx_panel_gemm``), their act rounded to
+ * bf16. */
+#define AMX_ROWS 64
+
 static void act_gemm(const struct rows *x, const uint16_t *xb, int64_t n, struct panel gate_panel,
                      struct panel up_panel, int64_t k_dim, void *act, int64_t ld_act, int type,
                      int *tiles) {
-    float gate[16 * PANEL], up[16 * PANEL];
-    int64_t step = xb ? 16 : ROWS;
+    float gate[AMX_ROWS * PANEL], up[AMX_ROWS * PANEL];
+    int64_t step = xb ? AMX_ROWS : ROWS;
     for (int64_t r = 0; r < n; r += step) {
         int64_t m = n - r < step ? n - r : step;
         if (xb) {
@@ -57,12 +61,10 @@ static void act_gemm(const struct rows *x, const uint16_t *xb, int64_t n, struct
         }
         for (int64_t i = 0; i < m; i++) {
             const float *g = gate + i * PANEL, *u = up + i * PANEL;
-            int64_t at = (r + i) * ld_act;
-            for (int64_t j = 0; j < PANEL; j++) {
-                float v = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
-                if (xb) put_act(T_BF16, act, at + j, v);
-                else put_act(T_F32, act, at + j, v);
-            }
+            float a[PANEL];
+            for (int64_t j = 0; j < PANEL; j++) a[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+            if (xb) narrow_acts(T_BF16, a, PANEL, (uint16_t *)act + (r + i) * ld_act);
+            else memcpy((float *)act + (r + i) * ld_act, a, sizeof a);
         }
     }
 }
