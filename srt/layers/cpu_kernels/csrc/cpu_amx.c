@@ -54,9 +54,7 @@ int srt_amx(int mode) {
     return amx_state;
 }
 
-int amx_usable(int act, int type, int64_t k_dim) {
-    return act == T_BF16 && type == T_BF16 && k_dim % 32 == 0 && srt_amx(-1);
-}
+int amx_usable(int64_t k_dim) { return k_dim % 32 == 0 && srt_amx(-1); }
 
 #if HAVE_AMX
 struct tile_config {

@@ -105,9 +105,8 @@ static void experts_down(const struct team *team, const struct experts_call *c, 
         const uint16_t *act = (const uint16_t *)c->gated + r->begin[e] * inter;
         for (int64_t b = lo; b < hi; b++) {
             struct panel p = panel_at(c->down_w, e * panels + b);
-            float *y = down + b * PANEL;
-            if (c->amx) amx_panel_gemm(tiles, act, inter, n, p.w, inter, y, c->hidden);
-            else panel_gemm(&rows, n, p, inter, y, c->hidden, 4, c->down_w->type);
+            if (c->amx) amx_panel_gemm(tiles, act, inter, n, p.w, inter, down + b * PANEL, c->hidden);
+            else panel_gemm(&rows, n, p, inter, down + b * PANEL, c->hidden, 4, c->down_w->type);
         }
     }
     team_barrier(team);
@@ -196,8 +195,7 @@ static void experts_region(void *arg, const struct team *team) {
  * w13 packed [E][2I/PANEL][H][PANEL], w2 packed [E][H/PANEL][I][PANEL], both of `type`, with
  * their scales [E][2I/PANEL][ceil(H/group13)][PANEL] and [E][H/PANEL][ceil(I/group2)][PANEL]
  * for fp8 (else NULL); out [T, H]; x and out float32 or bf16 (`act`: bf16 is widened into
- * float32 first, or on AMX gathered by expert in bf16, and the float32 result narrowed at the
- * end). `work` holds T·topk·(H + I)
+ * float32 first and the float32 result narrowed at the end). `work` holds T·topk·(H + I)
  * floats, and 2·T·H more for bf16; the caller keeps it from call to call, because fresh
  * buffers this large are mapped anew by malloc and every first touch of a page faults.
  * Returns 0, or SRT_OUT_OF_MEMORY. */
@@ -217,7 +215,7 @@ int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden
     float *gated = work, *down = gated + num_tokens * topk * inter;
     float *xf = (float *)x, *outf = out;
     if (act != T_F32) xf = down + num_tokens * topk * hidden, outf = xf + num_tokens * hidden;
-    int amx = amx_usable(act, type, hidden) && amx_usable(act, type, inter);
+    int amx = act == T_BF16 && type == T_BF16 && amx_usable(hidden) && amx_usable(inter);
     struct experts_call c = {act, amx, x, xf, num_tokens, hidden, topk, weights, &r, &up,
                              &down_w, inter, gated, down, outf, out};
     team_run(experts_region, &c, 1);

@@ -287,7 +287,7 @@ void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type
     int64_t full = n_dim / PANEL, rest = n_dim % PANEL;
     int64_t chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
-    int amx = amx_usable(act, type, k_dim);
+    int amx = act == T_BF16 && type == T_BF16 && amx_usable(k_dim);
     float *xf = (float *)x, *yf = y;
     if (act != T_F32) xf = work, yf = work + n * k_dim;
     struct linear_call c = {act, x, xf, n, k_dim, type, amx, &W, n_dim, full, rest, chunks, nv,

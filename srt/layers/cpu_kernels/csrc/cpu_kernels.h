@@ -105,9 +105,9 @@ typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 #define ROWS 4          /* rows per register block */
 
 /* The bf16 × bf16 GEMMs on AMX's tiles (cpu_amx.c): amx_usable says whether they run here for
- * activations and weights of these types and a K of k_dim; amx_panel_gemm computes y[i, 0:PANEL] = a_i · panel for n rows a_i = a + i · lda;
+ * a K of k_dim; amx_panel_gemm computes y[i, 0:PANEL] = a_i · panel for n rows a_i = a + i · lda;
  * `rows` is a thread's tile state within a region (0 at its start), amx_end releases it. */
-int amx_usable(int act, int type, int64_t k_dim);
+int amx_usable(int64_t k_dim);
 void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
                     const uint16_t *panel, int64_t k_dim, float *y, int64_t ldy);
 void amx_end(int *rows);
