@@ -59,16 +59,23 @@ class ServerArgs(DebugArgs, EplbArgs, OverlapArgs, ModelArgs):
         ),
     )
     disable_cuda_graph: bool = field(
-        default=False, metadata=_arg("kernels", "Decode eagerly instead of from CUDA graphs.")
+        default=False,
+        metadata=_arg(
+            "kernels",
+            "Decode eagerly instead of from graphs: CUDA graphs on CUDA, recorded decode "
+            "graphs on CPU (one rank).",
+        ),
     )
     cuda_graph_max_bs: int | None = field(
         default=None,
-        metadata=_arg("kernels", "Largest decode batch replayed from a CUDA graph (default 64)."),
+        metadata=_arg(
+            "kernels", "Largest decode batch replayed from a graph (default 64; on CPU 16)."
+        ),
     )
     cuda_graph_bs: list[int] | None = field(
         default=None,
-        metadata=_arg("kernels", "Decode batch sizes captured (default: 1, 2, 4, 8, then by 8).",
-                      nargs="+"),
+        metadata=_arg("kernels", "Decode batch sizes captured (default: 1, 2, 4, 8, then by 8; "
+                      "on CPU 1 to 8, then by 4).", nargs="+"),
     )  # fmt: skip
     # Memory and scheduling
     max_total_tokens: int | None = field(

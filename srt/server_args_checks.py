@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("srt.server_args")
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
+DEFAULT_CPU_GRAPH_MAX_BS = 16
 
 
 def normalize_spellings(args: ServerArgs) -> None:
@@ -376,16 +377,14 @@ def check_model_layout(args: ServerArgs, hf_config: Any) -> None:
 
 
 def check_cuda_graphs(args: ServerArgs) -> None:
-    """On CUDA, the CUDA-graph batch sizes (``cuda_graph_batch_sizes``); elsewhere, none."""
-    graph_flags = args.cuda_graph_bs is not None or args.cuda_graph_max_bs is not None
-    if args.device != "cuda":
-        if graph_flags:
-            raise ValueError("--cuda-graph-bs / --cuda-graph-max-bs apply to --device cuda")
-        return
+    """The decode graphs' batch sizes (``cuda_graph_batch_sizes``): CUDA graphs on CUDA,
+    recorded decode graphs on CPU (``srt.model_executor.cpu_graph``)."""
     limit = args.max_running_requests
     if args.moe_a2a_backend == "torch":  # a graph decodes with low_latency, within its capacity
         limit = min(limit, low_latency_fit(args))
-    args.cuda_graph_bs = cuda_graph_batch_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, limit)
+    sizes, max_bs = args.cuda_graph_bs, args.cuda_graph_max_bs
+    cpu = args.device == "cpu"
+    args.cuda_graph_bs = cuda_graph_batch_sizes(sizes, max_bs, limit, cpu)
     args.cuda_graph_max_bs = args.cuda_graph_bs[-1]
 
 
@@ -422,19 +421,28 @@ def _cpu_kernels_available() -> bool:
     return cpu_kernels.available()
 
 
-def cuda_graph_batch_sizes(sizes: list[int] | None, max_bs: int | None, limit: int) -> list[int]:
+def cuda_graph_batch_sizes(
+    sizes: list[int] | None, max_bs: int | None, limit: int, cpu: bool = False
+) -> list[int]:
     """The decode batch sizes captured: ``--cuda-graph-bs``, else 1, 2, 4, 8, then every 8 up
     to ``--cuda-graph-max-bs`` (default 64), never above ``limit``: ``--max-running-requests``
     and, with the torch all-to-all, what fits the low_latency capacity (a larger decode would
-    fall back to the normal mode, whose sizes a graph cannot replay)."""
+    fall back to the normal mode, whose sizes a graph cannot replay). On CPU every size up to
+    8, then every 4 up to 16 by default: a padding row costs a CPU its compute and the
+    experts it routes to, which may be two more experts' weights to read, and each graph holds
+    its own activations; above 16 sequences the Python a graph saves is a small part of a
+    step."""
     if sizes is not None and (not sizes or min(sizes) < 1):
         raise ValueError("--cuda-graph-bs: batch sizes must be ≥ 1")
     if max_bs is not None and max_bs < 1:
         raise ValueError("--cuda-graph-max-bs must be ≥ 1")
+    default_max = DEFAULT_CPU_GRAPH_MAX_BS if cpu else DEFAULT_CUDA_GRAPH_MAX_BS
     if sizes is None or max_bs is not None:
-        limit = min(max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, limit)
+        limit = min(max_bs or default_max, limit)
     if sizes is None:
-        return [b for b in (1, 2, 4, *range(8, limit + 1, 8)) if b <= limit] or [limit]
+        steps = (*range(1, 9), *range(12, limit + 1, 4)) if cpu else (1, 2, 4)
+        steps = (*steps, *range(8, limit + 1, 8))
+        return sorted({b for b in steps if b <= limit}) or [limit]
     if max(sizes) > limit:
         raise ValueError(
             f"--cuda-graph-bs {max(sizes)} is above --cuda-graph-max-bs, "

@@ -6,7 +6,8 @@ srt's ModelRunner on one rank, as ``bench_one_batch.py`` does, and times every c
 the CPU experts' kernel (``srt.layers.cpu_kernels.fused_experts``: a layer's routed experts,
 their routing and SiLU included); torch's grouped GEMM of experts the kernel does not take,
 the LM head and the router count as "other". Prints, per run, the prefill and the median decode
-step with their GEMM and other shares.
+step with their GEMM and other shares. Decode runs eagerly (``--disable-cuda-graph`` is
+implied): a graph's replay runs none of the Python that times the calls.
 
     python benchmark/kernel/bench_step_split.py --model-path DIR --batch-size 16 --input-len 128
 """
@@ -14,6 +15,7 @@ step with their GEMM and other shares.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -85,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.model_path is None:
         args.model_path = default_model_path()
-    server_args = ServerArgs.from_cli_args(args)
+    server_args = dataclasses.replace(ServerArgs.from_cli_args(args), disable_cuda_graph=True)
     timer = GemmTimer()
     tokens = args.batch_size * (args.input_len + args.output_len)
     runner, ctx = make_runner(server_args, args.batch_size, tokens)

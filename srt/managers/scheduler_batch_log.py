@@ -5,7 +5,7 @@ group (the rank that talks to the tokenizer: one writer per DP group under DP at
     Prefill batch, #new-seq: 2, #new-token: 61, #cached-token: 0, token usage: 0.00,
         #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False,
         input throughput (token/s): 1024.50
-    Decode batch, #running-req: 2, #token: 71, token usage: 0.02, cpu graph: False,
+    Decode batch, #running-req: 2, #token: 71, token usage: 0.02, cpu graph: True,
         gen throughput (token/s): 37.29, #queue-req: 0
 
 (each one line). ``#token`` and ``token usage`` count the KV slots that hold requests' tokens:

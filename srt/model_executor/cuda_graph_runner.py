@@ -25,14 +25,16 @@ copies its inputs into the buffers, pads the batch to its bucket and replays the
   ``--overlap-mode auto`` (it times each step), and attention backends whose decode metadata
   is built from host values (``torch_native``).
 
-With ``eager=True`` (on CPU, where there are no graphs) "capture" keeps the callable and
-"replay" runs it over the same static buffers: the runner's logic (buckets, padding, buffer
-filling, output slicing) is tested that way.
+On CPU a graph is a recorded forward (``cpu_graph.CpuGraph``), captured over the same static
+buffers and replayed by the same logic, on one rank. With ``eager=True`` "capture" keeps the
+callable and "replay" runs it over the same static buffers: the runner's logic (buckets,
+padding, buffer filling, output slicing) is tested that way with DP attention on CPU.
 """
 
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +43,7 @@ import torch
 
 from srt.batch_overlap.step_split import plan_split, settle_split
 from srt.layers.logits_processor import LogitsProcessorOutput
+from srt.model_executor.cpu_graph import CpuGraph
 from srt.model_executor.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, StepSplit
 
@@ -58,12 +61,13 @@ class _Graph:
 
 class CudaGraphRunner:
     def __init__(self, model_runner: ModelRunner, batch_sizes: list[int], eager: bool = False):
-        self.model_runner = model_runner
+        # weak: the runner owns this one, and a cycle would keep a dropped runner's memory
+        self._model_runner = weakref.ref(model_runner)
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
         self.eager = eager
-        if not eager and model_runner.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device (eager=True replays them eagerly)")
+        if not eager and model_runner.device.type not in ("cuda", "cpu"):
+            raise ValueError("decode graphs run on CUDA or CPU (eager=True replays eagerly)")
         self._init_buffers(model_runner.device)
         self.pool = None  # the graphs' shared memory pool
         self.num_replays = 0
@@ -100,7 +104,7 @@ class CudaGraphRunner:
         return self.bucket(max(info.global_num_tokens))
 
     def _static_batch(self, bs: int) -> ForwardBatch:
-        r = self.model_runner
+        r = self._model_runner()
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
@@ -127,10 +131,15 @@ class CudaGraphRunner:
     @torch.inference_mode()  # as the forward it replays: no autograd state in the graph
     def _capture(self, bs: int) -> _Graph:
         batch = self._static_batch(bs)
-        model = self.model_runner.model
+        model = self._model_runner().model
         run = lambda: model(batch.input_ids, batch.positions, batch)
         if self.eager:
             return _Graph(batch, run)
+        if batch.input_ids.device.type == "cpu":
+            run()  # warm-up: what the forward builds on first use is not recorded
+            graph = CpuGraph()
+            graph.capture(run)
+            return _Graph(batch, graph.replay)
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             run()
         torch.cuda.synchronize()
@@ -157,7 +166,10 @@ class CudaGraphRunner:
         self.num_replays += 1
         if batch is not None:  # the bucket's plan ran (its split point is the bucket's)
             batch.split = StepSplit(graph.batch.split.mode)
-        return LogitsProcessorOutput(next_token_logits=out.next_token_logits[:n])
+        logits = out.next_token_logits[:n]
+        if logits.device.type == "cpu":  # as an eager step's: the caller's to keep
+            logits = logits.clone()
+        return LogitsProcessorOutput(next_token_logits=logits)
 
     def _fill(self, batch: ForwardBatch | None, n: int, bs: int) -> None:
         """The batch's inputs into rows [0, n) of the buffers; rows [n, bs) decode a dummy

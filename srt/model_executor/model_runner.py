@@ -34,6 +34,8 @@ from srt.distributed.communication_op import all_gather_object
 from srt.distributed.parallel_state import ParallelState
 from srt.eplb.expert_distribution import ExpertDistributionRecorder
 from srt.eplb.expert_location import expert_location_from_args, model_experts
+from srt.layers import cpu_kernels
+from srt.layers.attention.cpu_backend import CpuAttnBackend
 from srt.layers.attention.registry import attention_backend_class
 from srt.layers.attention.tbo_backend import TboAttnBackend
 from srt.layers.cpu_preparation import prepare_for_cpu
@@ -43,6 +45,7 @@ from srt.layers.overlap.operations import OperationObserver
 from srt.layers.sampler import Sampler
 from srt.mem_cache.allocator import TokenToKVPoolAllocator
 from srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+from srt.model_executor.cpu_graph import CpuGraphError
 from srt.model_executor.cpu_threads import CpuThreads
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner
 from srt.model_executor.dp_sync import DpSyncInfo, apply_dp_sync, sync_dp_batch
@@ -138,7 +141,10 @@ class ModelRunner:
         if self.step_overlap.policy is not None:
             calibrate(self)  # --overlap-mode auto: measure every mode before serving
         if self._can_capture_graphs():
-            self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
+            try:
+                self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
+            except CpuGraphError as e:  # the forward reads a value on the host
+                logger.info("CPU decode graphs off (decode runs eagerly): %s", e)
 
     def _init_split_executors(self) -> None:
         """Hand the model the executors of a step split in two micro-batches (models import
@@ -159,11 +165,14 @@ class ModelRunner:
             self.attn_backend = create()
 
     def _can_capture_graphs(self) -> bool:
-        """CUDA graphs for decode: on CUDA, unless disabled, where a decode step's inputs can
-        all live in static buffers (see ``cuda_graph_runner``)."""
+        """Graphs for decode, unless disabled, where a decode step's inputs can all live in
+        static buffers (see ``cuda_graph_runner``): CUDA graphs on CUDA, recorded ones on a
+        CPU that runs alone (``cpu_graph``)."""
         sa = self.server_args
-        if self.device.type != "cuda" or sa.disable_cuda_graph:
+        if sa.disable_cuda_graph:
             return False
+        if self.device.type == "cpu":
+            return self._can_record_cpu_graphs()
         why_not = [
             (not self.attn_backend.static_decode_metadata, "--attention-backend torch_native"),
             (self.step_overlap.policy is not None, "--overlap-mode auto"),
@@ -177,6 +186,24 @@ class ModelRunner:
         reasons = [reason for off, reason in why_not if off]
         if reasons:
             logger.info("CUDA graphs off (decode runs eagerly): %s", ", ".join(reasons))
+        return not reasons
+
+    def _can_record_cpu_graphs(self) -> bool:
+        """CPU decode graphs: one rank (a replay holds no collectives) whose decode attention
+        reads the batch's own tensors: the CPU kernels over a float32 or bfloat16 cache."""
+        kernels = isinstance(self.attn_backend, CpuAttnBackend)
+        why_not = [
+            (self.parallel.tp_size > 1, "more than one rank"),
+            (not kernels, f"--attention-backend {self.server_args.attention_backend}"),
+            (self.server_args.enable_operation_profile, "--enable-operation-profile"),
+            (
+                kernels and self.token_to_kv_pool.dtype not in cpu_kernels.ACT_TYPES,
+                f"a {self.token_to_kv_pool.dtype} KV cache (decoded on SDPA)",
+            ),
+        ]
+        reasons = [reason for off, reason in why_not if off]
+        if reasons:
+            logger.info("CPU decode graphs off (decode runs eagerly): %s", ", ".join(reasons))
         return not reasons
 
     def set_operation_observer(self, observer: OperationObserver | None) -> None:
@@ -327,7 +354,10 @@ class ModelRunner:
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         graphs = self.graph_runner
-        if graphs is not None and not self.dp_attention and graphs.can_run(forward_batch):
+        # an observed step runs eagerly: a replay runs no operation to watch
+        eager = self.dp_attention or self.model.model.operation_observer is not None
+        if graphs is not None and not eager and graphs.can_run(forward_batch):
+            self.apply_cpu_threads(forward_batch)
             out = graphs.replay(forward_batch)
             self.last_step_replayed_graph = True
         else:
@@ -343,16 +373,20 @@ class ModelRunner:
         the attention backend and its metadata (and the CPU threads for its kind of step)."""
         with_children(forward_batch, self.parallel.attn_tp_size)
         forward_batch.attn_backend = self.attn_backend
+        self.apply_cpu_threads(forward_batch)
+        parts = self._attention_parts(forward_batch)
+        forward_batch.attn_parts = None if parts[0].batch is forward_batch else parts
+        for part in parts:
+            self.attn_backend.init_forward_metadata(part.batch)
+
+    def apply_cpu_threads(self, forward_batch: ForwardBatch) -> None:
+        """The CPU threads for this kind of step (``cpu_threads``); a graph's replay too."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply(
                 forward_batch.global_forward_mode or forward_batch.forward_mode,
                 forward_batch.batch_size,
                 forward_batch.num_tokens,
             )
-        parts = self._attention_parts(forward_batch)
-        forward_batch.attn_parts = None if parts[0].batch is forward_batch else parts
-        for part in parts:
-            self.attn_backend.init_forward_metadata(part.batch)
 
     def _attention_parts(self, forward_batch: ForwardBatch) -> tuple[AttnPart, ...]:
         """How the batch attends: in parts for MLA (``mla_attention_parts``; not in a step split

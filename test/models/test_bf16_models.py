@@ -53,13 +53,10 @@ def test_bf16_in_the_kernels_is_as_close_to_hf_float32_as_pytorchs_bf16(
     kernels, driver = _run(tiny_models[name], prompts)
     layer = driver.runner.model.model.layers[0]
     assert layer.input_layernorm.in_kernel and layer.input_layernorm.weight.dtype == torch.bfloat16
-    batch_meta = []
-    backend = driver.runner.attn_backend
-    original = backend.init_forward_metadata
-    monkeypatch.setattr(backend, "init_forward_metadata",
-                        lambda b: (original(b), batch_meta.append(b.attn_metadata)))  # fmt: skip
     driver.decode([1, 1])
-    assert isinstance(batch_meta[0], CpuAttnMetadata)  # the decode ran in the kernels
+    # the decode replayed its bucket's graph, captured over the kernels' attention metadata
+    assert driver.runner.last_step_replayed_graph
+    assert isinstance(driver.runner.graph_runner.graphs[2].batch.attn_metadata, CpuAttnMetadata)
     greedy = [s.argmax(-1).tolist() for s in kernels[:-1]]
     reference = _hf(tiny_models[name], prompts, greedy)
     monkeypatch.setenv("SRT_CPU_KERNELS", "0")

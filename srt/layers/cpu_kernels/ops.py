@@ -24,13 +24,20 @@ from srt.layers.cpu_kernels.build import load_library
 
 # Per thread, the experts kernel's work buffer, grown as needed and kept (see cpu_kernels.c).
 _work = threading.local()
+# The CPU graph being captured (``srt.model_executor.cpu_graph``): it records every C call.
+recorder = None
 
 
 def _lib():
     lib = load_library()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available (see srt.layers.cpu_kernels)")
-    return lib
+    return lib if recorder is None else recorder.library(lib)
+
+
+def work_buffer_in_use() -> torch.Tensor | None:
+    """This thread's work buffer as it stands (a CPU graph keeps the one its calls point into)."""
+    return getattr(_work, "buffer", None)
 
 
 def panel_width() -> int:
