@@ -134,7 +134,7 @@ def no_amx():
     cpu_kernels.use_amx(True)
 
 
-@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, (32, 16)])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weights, rows, no_amx):
     torch.manual_seed(rows)
@@ -149,6 +149,33 @@ def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weig
     packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
     experts = lambda x: cpu_kernels.fused_experts(x, topk_w, ids, 0, *packed, scales, groups)  # noqa: E731
     assert torch.equal(experts(x), experts(x.float()).bfloat16())
+
+
+@pytest.mark.parametrize("k, group", [(96, 32), (41, 16)])  # 41: a group of 9, an odd last k
+@pytest.mark.parametrize("rows", [1, 6, 70])
+def test_fp8_weights_over_bf16_activations(k, group, rows):
+    """bf16 activations over fp8 weights (on AVX512-BF16's dot products where the CPU has them,
+    their pairs of k summed in an order of their own; the experts' activation rounded to bf16
+    between the two GEMMs): within bf16's rounding of the exact product, and a row's bits do not
+    depend on the rows beside it."""
+    torch.manual_seed(rows + k)
+    q, scale = _fp8(72, k, group)
+    panels, scales = cpu_kernels.pack_panels(q), cpu_kernels.pack_scales(scale)
+    x = torch.randn(rows, k).bfloat16()
+    linear = lambda x: cpu_kernels.panel_linear(x, panels, 72, scales, group)  # noqa: E731
+    got = linear(x)
+    exact = x.double() @ fp8.dequantize(q, scale, group).double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max())
+    assert torch.equal(got, torch.cat([linear(x[i : i + 1]) for i in range(rows)]))
+    (w13, w2), scales, groups, _ = _experts((32, 16))
+    x, topk_w = torch.randn(rows, w13.shape[2]).bfloat16(), torch.rand(rows, 2)
+    ids = torch.randint(0, 4, (rows, 2))
+    packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]
+    experts = lambda x, t, i: cpu_kernels.fused_experts(x, t, i, 0, *packed, scales, groups)  # noqa: E731
+    got, reference = experts(x, topk_w, ids), experts(x.float(), topk_w, ids)
+    torch.testing.assert_close(got.float(), reference, rtol=3e-2, atol=3e-2 * reference.abs().max())
+    alone = [experts(x[t : t + 1], topk_w[t : t + 1], ids[t : t + 1]) for t in range(rows)]
+    assert torch.equal(got, torch.cat(alone))
 
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.use_amx(), reason="no AMX on this CPU")

@@ -38,6 +38,7 @@ _NAMES = ("cpu_kernels.c", "cpu_experts.c", "cpu_amx.c", "cpu_attention.c",
           "cpu_extend_attention.c", "cpu_pool.c")  # fmt: skip
 SOURCES = [CSRC / name for name in _NAMES]
 HEADER = CSRC / "cpu_kernels.h"
+INCLUDED = [HEADER, CSRC / "cpu_fp8_dot.h"]  # every header the sources include
 # -Werror=missing-prototypes: every exported function is declared in the header, so the
 # compiler checks each definition against the prototype that DECLARATIONS is tested against.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -97,7 +98,7 @@ def build_name(compiler: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    source = _digest(*(f.read_text() for f in (HEADER, *SOURCES)), " ".join(CFLAGS))
+    source = _digest(*(f.read_text() for f in (*INCLUDED, *SOURCES)), " ".join(CFLAGS))
     return f"cpu_kernels-{source}-{_digest(version, _cpu_flags())}.so"
 
 

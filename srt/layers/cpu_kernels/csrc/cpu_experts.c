@@ -63,6 +63,8 @@ static void act_gemm(const struct rows *x, const uint16_t *xb, int64_t n, struct
             const float *g = gate + i * PANEL, *u = up + i * PANEL;
             float a[PANEL];
             for (int64_t j = 0; j < PANEL; j++) a[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
+            for (int64_t j = 0; type == T_FP8_DOT && j < PANEL; j += VEC) /* as bf16: read so */
+                store_vec(a + j, round_bf16(load_vec(a + j))); /* by the down projection's dots */
             if (xb) narrow_acts(T_BF16, a, PANEL, (uint16_t *)act + (r + i) * ld_act);
             else memcpy((float *)act + (r + i) * ld_act, a, sizeof a);
         }
@@ -86,8 +88,8 @@ static void experts_act(const struct team *team, const struct experts_call *c, i
             int64_t at = row * c->inter + b * PANEL;
             void *act = c->amx ? (void *)((uint16_t *)c->gated + at) : (void *)(c->gated + at);
             act_gemm(&rows, xb, r->count[e], panel_at(c->up, first + b),
-                     panel_at(c->up, first + panels + b), hidden, act, c->inter, c->up->type,
-                     tiles);
+                     panel_at(c->up, first + panels + b), hidden, act, c->inter,
+                     gemm_type(c->act, c->up->type), tiles);
         }
     }
     team_barrier(team);
@@ -106,7 +108,8 @@ static void experts_down(const struct team *team, const struct experts_call *c, 
         for (int64_t b = lo; b < hi; b++) {
             struct panel p = panel_at(c->down_w, e * panels + b);
             if (c->amx) amx_panel_gemm(tiles, act, inter, n, p.w, inter, down + b * PANEL, c->hidden);
-            else panel_gemm(&rows, n, p, inter, down + b * PANEL, c->hidden, 4, c->down_w->type);
+            else panel_gemm(&rows, n, p, inter, down + b * PANEL, c->hidden, 4,
+                            gemm_type(c->act, c->down_w->type));
         }
     }
     team_barrier(team);

@@ -17,6 +17,7 @@
  * weights run on AMX's tiles instead where the CPU has them (cpu_amx.c). */
 
 #include "cpu_kernels.h"
+#include "cpu_fp8_dot.h"
 
 /* The panel width the Python side packs weights for. */
 int64_t srt_panel_width(void) { return PANEL; }
@@ -136,12 +137,19 @@ static inline __attribute__((always_inline)) void block_gemm(const struct rows *
     for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
     vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
-    if (type != T_FP8) add_products(in, m, p, 0, k_dim, hold, nv, type, acc);
-    for (int64_t k0 = 0, g = 0; type == T_FP8 && k0 < k_dim; k0 += p.group, g++) {
+    int fp8 = type == T_FP8 || type == T_FP8_DOT;
+    if (!fp8) add_products(in, m, p, 0, k_dim, hold, nv, type, acc);
+    for (int64_t k0 = 0, g = 0; fp8 && k0 < k_dim; k0 += p.group, g++) {
         vec part[ROWS][4], s[4];
+        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
         memset(part, 0, sizeof part);
-        add_products(in, m, p, k0, k0 + p.group < k_dim ? k0 + p.group : k_dim, hold, nv, type,
-                     part);
+#if FP8_DOT
+        if (type == T_FP8_DOT) {
+            add_products_fp8_dot(in, m, p, k0, k1, part);
+            for (int64_t i = 0; i < m; i++) fp8_dot_columns(part[i]);
+        } else
+#endif
+            add_products(in, m, p, k0, k1, hold, nv, type, part);
         for (int q = 0; q < nv; q++) s[q] = load_vec(p.scale + g * PANEL + q * VEC);
         for (int64_t i = 0; i < m; i++)
             for (int q = 0; q < nv; q++) acc[i][q] = fma_vv(acc[i][q], part[i][q], s[q]);
@@ -176,6 +184,9 @@ static inline __attribute__((always_inline)) void panel_rows(const struct rows *
 PANEL_GEMM(T_F32)
 PANEL_GEMM(T_BF16)
 PANEL_GEMM(T_FP8)
+#if FP8_DOT
+PANEL_GEMM(T_FP8_DOT)
+#endif
 
 /* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (nv = 4: the whole
  * panel; fewer: a narrow last panel, whose vectors past nv are not computed). */
@@ -183,6 +194,9 @@ void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, 
                 int64_t ldy, int nv, int type) {
     if (type == T_BF16) panel_gemm_T_BF16(x, n, p, k_dim, y, ldy, nv);
     else if (type == T_FP8) panel_gemm_T_FP8(x, n, p, k_dim, y, ldy, nv);
+#if FP8_DOT
+    else if (type == T_FP8_DOT) panel_gemm_T_FP8_DOT(x, n, p, k_dim, y, ldy, nv);
+#endif
     else panel_gemm_T_F32(x, n, p, k_dim, y, ldy, nv);
 }
 
@@ -251,11 +265,11 @@ static void linear_rows(const struct linear_call *c, int64_t b, int64_t r0, int6
     struct rows rows = {c->xf + r0 * c->k_dim, c->k_dim, NULL, 1};
     if (b < c->full) {
         panel_gemm(&rows, m, p, c->k_dim, c->yf + r0 * c->n_dim + b * PANEL, c->n_dim, 4,
-                   c->type);
+                   gemm_type(c->act, c->type));
         return;
     }
     float last[LINEAR_CHUNK * PANEL];
-    panel_gemm(&rows, m, p, c->k_dim, last, PANEL, c->nv, c->type);
+    panel_gemm(&rows, m, p, c->k_dim, last, PANEL, c->nv, gemm_type(c->act, c->type));
     for (int64_t i = 0; i < m; i++)
         memcpy(c->yf + (r0 + i) * c->n_dim + c->full * PANEL, last + i * PANEL,
                c->rest * sizeof *last);

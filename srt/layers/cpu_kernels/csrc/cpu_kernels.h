@@ -133,8 +133,20 @@ static inline vec fma_vec(vec acc, float s, vec w) {
 #endif
 }
 
-/* The tensor formats (ACT_TYPES and WEIGHT_TYPES in checks.py). */
-enum { T_F32 = 0, T_BF16 = 1, T_FP8 = 2 };
+/* The tensor formats (ACT_TYPES and WEIGHT_TYPES in checks.py), and T_FP8_DOT: a GEMM of fp8
+ * weights over bf16 activations on dot products (cpu_fp8_dot.h; a GEMM type, not a format). */
+enum { T_F32 = 0, T_BF16 = 1, T_FP8 = 2, T_FP8_DOT = 3 };
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && VEC == 16
+#define FP8_DOT 1
+#else
+#define FP8_DOT 0
+#endif
+
+/* The GEMM type for weights of `type` under activations of `act`: T_FP8_DOT where fp8 weights
+ * meet bf16 activations and the build has the dot products, else the weights' own. */
+static inline int gemm_type(int act, int type) {
+    return FP8_DOT && act == T_BF16 && type == T_FP8 ? T_FP8_DOT : type;
+}
 
 typedef uint32_t uvec __attribute__((vector_size(VEC * sizeof(uint32_t))));
 typedef uint16_t bf16vec __attribute__((vector_size(VEC * sizeof(uint16_t))));
