@@ -141,6 +141,8 @@ class ModelRunner:
         if self.step_overlap.policy is not None:
             calibrate(self)  # --overlap-mode auto: measure every mode before serving
         if self._can_capture_graphs():
+            if self.expert_recorder is not None:  # a replay counts only what was captured
+                self.expert_recorder.always = True
             try:
                 self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
             except CpuGraphError as e:  # the forward reads a value on the host
@@ -354,8 +356,9 @@ class ModelRunner:
 
     def _forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         graphs = self.graph_runner
-        # an observed step runs eagerly: a replay runs no operation to watch
-        eager = self.dp_attention or self.model.model.operation_observer is not None
+        # on CPU an observed step runs eagerly: a replay runs no operation to watch
+        watched = self.model.model.operation_observer is not None and self.device.type == "cpu"
+        eager = self.dp_attention or watched
         if graphs is not None and not eager and graphs.can_run(forward_batch):
             self.apply_cpu_threads(forward_batch)
             out = graphs.replay(forward_batch)

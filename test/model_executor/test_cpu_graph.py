@@ -115,3 +115,15 @@ def test_graphs_only_where_a_replay_holds_the_step(tiny_models):
     assert ModelRunner(native).graph_runner is None  # its decode metadata is host values
     fp16_kv = server_args(path, 1, 1, "none", kv_cache_dtype="float16")
     assert ModelRunner(fp16_kv).graph_runner is None  # that cache decodes on SDPA
+
+
+def test_the_expert_recorder_counts_replayed_decodes(tiny_models):
+    """A single-rank server's routes record decode steps too: the graphs capture the count."""
+    runner = ModelRunner(server_args(tiny_models["tiny-qwen3-moe"], 1, 1, "none"))
+    recorder, driver = runner.expert_recorder, SeqDriver(runner)
+    recorder.start()
+    runner.forward_step(driver.batch(SCRIPT[0]))  # 9 prompt tokens
+    prefill = recorder.counts.sum().item()
+    runner.forward_step(driver.batch(("decode",)))  # 3 tokens, replayed
+    assert runner.last_step_replayed_graph
+    assert (recorder.counts.sum().item() - prefill) * 9 == prefill * 3 > 0
