@@ -151,13 +151,22 @@ def test_bf16_activations_are_the_float32_gemm_on_their_values_rounded_once(weig
     assert torch.equal(experts(x), experts(x.float()).bfloat16())
 
 
+@pytest.fixture(params=[True, False], ids=["amx", "no-amx"])
+def amx(request):
+    """AMX's tiles on (where this CPU has them) and off."""
+    cpu_kernels.use_amx(request.param)
+    yield
+    cpu_kernels.use_amx(True)
+
+
 @pytest.mark.parametrize("k, group", [(96, 32), (41, 16)])  # 41: a group of 9, an odd last k
 @pytest.mark.parametrize("rows", [1, 6, 70])
-def test_fp8_weights_over_bf16_activations(k, group, rows):
-    """bf16 activations over fp8 weights (on AVX512-BF16's dot products where the CPU has them,
-    their pairs of k summed in an order of their own; the experts' activation rounded to bf16
-    between the two GEMMs): within bf16's rounding of the exact product, and a row's bits do not
-    depend on the rows beside it."""
+def test_fp8_weights_over_bf16_activations(k, group, rows, amx):
+    """bf16 activations over fp8 weights (where the CPU has them: on AMX's tiles in groups of
+    whole tile steps, else on AVX512-BF16's dot products, each group's weights as bf16, summed in
+    an order of their own; the experts' activation rounded to bf16 between the two GEMMs):
+    within bf16's rounding of the exact product, and a row's bits do not depend on the rows
+    beside it (across the tiles' blocks of 16 rows and the linear's chunks of 64)."""
     torch.manual_seed(rows + k)
     q, scale = _fp8(72, k, group)
     panels, scales = cpu_kernels.pack_panels(q), cpu_kernels.pack_scales(scale)
@@ -167,7 +176,7 @@ def test_fp8_weights_over_bf16_activations(k, group, rows):
     exact = x.double() @ fp8.dequantize(q, scale, group).double().T
     torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max())
     assert torch.equal(got, torch.cat([linear(x[i : i + 1]) for i in range(rows)]))
-    (w13, w2), scales, groups, _ = _experts((32, 16))
+    (w13, w2), scales, groups, _ = _experts((32, 32))
     x, topk_w = torch.randn(rows, w13.shape[2]).bfloat16(), torch.rand(rows, 2)
     ids = torch.randint(0, 4, (rows, 2))
     packed = [cpu_kernels.pack_panels(w) for w in (w13, w2)]

@@ -7,9 +7,10 @@
  *   3. down = act · W2ᵀ, panels shared out as in 2;
  *   4. out[t] = Σ_slot weight · down, slots in order; pairs of other ranks' experts add nothing.
  * A token's result does not depend on the batch it came in (split and unsplit batches agree).
- * bf16 activations over bf16 weights take AMX's tiles where the CPU has them (cpu_amx.c): the
- * rows are gathered by expert in bf16 first and the activation is rounded to bf16 between the
- * two GEMMs, as a bf16 model rounds it. */
+ * bf16 activations over bf16 weights take AMX's tiles where the CPU has them (cpu_amx.c), and
+ * over fp8 weights too, each group of k turned into bf16 first (cpu_fp8_dot.h): the rows are
+ * gathered by expert in bf16 first and the activation is rounded to bf16 between the two
+ * GEMMs, as a bf16 model rounds it. */
 
 #include "cpu_kernels.h"
 
@@ -49,7 +50,10 @@ static void act_gemm(const struct rows *x, const uint16_t *xb, int64_t n, struct
     int64_t step = xb ? AMX_ROWS : ROWS;
     for (int64_t r = 0; r < n; r += step) {
         int64_t m = n - r < step ? n - r : step;
-        if (xb) {
+        if (xb && gate_panel.scale) { /* fp8, as bf16 */
+            fp8_amx_gemm(tiles, xb + r * k_dim, k_dim, m, gate_panel, k_dim, gate, PANEL);
+            fp8_amx_gemm(tiles, xb + r * k_dim, k_dim, m, up_panel, k_dim, up, PANEL);
+        } else if (xb) {
             amx_panel_gemm(tiles, xb + r * k_dim, k_dim, m, gate_panel.w, k_dim, gate, PANEL);
             amx_panel_gemm(tiles, xb + r * k_dim, k_dim, m, up_panel.w, k_dim, up, PANEL);
         } else {
@@ -99,6 +103,7 @@ static void experts_act(const struct team *team, const struct experts_call *c, i
 static void experts_down(const struct team *team, const struct experts_call *c, int *tiles) {
     const struct routing *r = c->r;
     int64_t panels = c->hidden / PANEL, inter = c->inter, lo, hi;
+    int type = gemm_type(c->act, c->down_w->type);
     team_share(team, panels, &lo, &hi);
     for (int64_t a = 0; a < r->num_active; a++) {
         int64_t e = r->active[a], n = r->count[e];
@@ -107,9 +112,10 @@ static void experts_down(const struct team *team, const struct experts_call *c, 
         const uint16_t *act = (const uint16_t *)c->gated + r->begin[e] * inter;
         for (int64_t b = lo; b < hi; b++) {
             struct panel p = panel_at(c->down_w, e * panels + b);
-            if (c->amx) amx_panel_gemm(tiles, act, inter, n, p.w, inter, down + b * PANEL, c->hidden);
-            else panel_gemm(&rows, n, p, inter, down + b * PANEL, c->hidden, 4,
-                            gemm_type(c->act, c->down_w->type));
+            float *y = down + b * PANEL;
+            if (c->amx && p.scale) fp8_amx_gemm(tiles, act, inter, n, p, inter, y, c->hidden);
+            else if (c->amx) amx_panel_gemm(tiles, act, inter, n, p.w, inter, y, c->hidden);
+            else panel_gemm(&rows, n, p, inter, y, c->hidden, 4, type);
         }
     }
     team_barrier(team);
@@ -219,6 +225,8 @@ int srt_fused_experts(int act, const void *x, int64_t num_tokens, int64_t hidden
     float *xf = (float *)x, *outf = out;
     if (act != T_F32) xf = down + num_tokens * topk * hidden, outf = xf + num_tokens * hidden;
     int amx = act == T_BF16 && type == T_BF16 && amx_usable(hidden) && amx_usable(inter);
+    amx = amx || (act == T_BF16 && type == T_FP8 && scale13 && scale2 &&
+                  fp8_amx_usable(hidden, group13) && fp8_amx_usable(inter, group2));
     struct experts_call c = {act, amx, x, xf, num_tokens, hidden, topk, weights, &r, &up,
                              &down_w, inter, gated, down, outf, out};
     team_run(experts_region, &c, 1);

@@ -1,5 +1,5 @@
 /* fp8 weights times bf16 activations on AVX512-BF16's dot products (VDPBF16PS), for the GEMMs
- * of cpu_kernels.c (included there only).
+ * of cpu_kernels.c (included there only; cpu_experts.c calls fp8_amx_gemm).
  *
  * Widening e4m3 to float32 for an FMA (widen_fp8) costs four instructions per 16 weights, so a
  * decode step over fp8 weights is bound by those instructions rather than by its bytes. Where
@@ -43,33 +43,39 @@ static inline __attribute__((always_inline)) void fp8_row_bf16(__m512i b, const 
     *hi = _mm512_ternarylogic_epi32(*hi, b, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | b & 0x80 */
 }
 
-/* sums[i][q] += Σ_{k0 ≤ k < k1} x_i[k] · panel[k, columns of (q, lane)] for m ≤ ROWS rows whose
- * float32 values are bf16 exactly, all 4 vectors of an fp8 panel, in lane order (see above). */
-static inline __attribute__((always_inline)) void add_products_fp8_dot(const float *const *in,
-                                                                       int64_t m, struct panel p,
-                                                                       int64_t k0, int64_t k1,
-                                                                       vec sums[ROWS][4]) {
+/* The weights of rows k0 .. k1 of an fp8 panel as bf16 pairs (k, k + 1), 4 vectors a pair of
+ * rows in lane order (see above; an odd last row is paired with zeros). */
+static inline void fp8_dot_pairs(struct panel p, int64_t k0, int64_t k1, __m512i *pairs) {
     const __m512i t[4] = {
         _mm512_loadu_si512(fp8_bf16_bytes[0]), _mm512_loadu_si512(fp8_bf16_bytes[0] + 64),
         _mm512_loadu_si512(fp8_bf16_bytes[1]), _mm512_loadu_si512(fp8_bf16_bytes[1] + 64)};
     const uint8_t *w = p.w;
-    for (int64_t k = k0; k < k1; k += 2) {
-        int pair = k + 1 < k1; /* else row k + 1 counts as zeros */
+    for (int64_t k = k0; k < k1; k += 2, pairs += 4) {
         __m512i l0, h0, l1, h1;
         fp8_row_bf16(_mm512_loadu_si512(w + k * PANEL), t, &l0, &h0);
-        fp8_row_bf16(pair ? _mm512_loadu_si512(w + (k + 1) * PANEL) : _mm512_setzero_si512(), t,
-                     &l1, &h1);
+        fp8_row_bf16(k + 1 < k1 ? _mm512_loadu_si512(w + (k + 1) * PANEL) : _mm512_setzero_si512(),
+                     t, &l1, &h1);
         __m512i a = _mm512_unpacklo_epi8(l0, h0), b = _mm512_unpackhi_epi8(l0, h0);
         __m512i c = _mm512_unpacklo_epi8(l1, h1), d = _mm512_unpackhi_epi8(l1, h1);
-        __m512i wq[4] = {_mm512_unpacklo_epi16(a, c), _mm512_unpackhi_epi16(a, c),
-                         _mm512_unpacklo_epi16(b, d), _mm512_unpackhi_epi16(b, d)};
+        pairs[0] = _mm512_unpacklo_epi16(a, c), pairs[1] = _mm512_unpackhi_epi16(a, c);
+        pairs[2] = _mm512_unpacklo_epi16(b, d), pairs[3] = _mm512_unpackhi_epi16(b, d);
+    }
+}
+
+/* sums[i][q] = Σ_{k0 ≤ k < k1} x_i[k] · panel[k, columns of (q, lane)] for m ≤ ROWS rows x_i
+ * whose float32 values are bf16 exactly, from fp8_dot_pairs' pairs of those rows. */
+static inline __attribute__((always_inline)) void fp8_dot_rows(const float *const *in, int64_t m,
+                                                               const __m512i *pairs, int64_t k0,
+                                                               int64_t k1, vec sums[ROWS][4]) {
+    memset(sums, 0, ROWS * sizeof *sums);
+    for (int64_t k = k0; k < k1; k += 2, pairs += 4) {
         for (int64_t i = 0; i < m; i++) {
             uint32_t x0, x1 = 0;
             memcpy(&x0, in[i] + k, sizeof x0);
-            if (pair) memcpy(&x1, in[i] + k + 1, sizeof x1);
+            if (k + 1 < k1) memcpy(&x1, in[i] + k + 1, sizeof x1);
             __m512bh x = (__m512bh)_mm512_set1_epi32((int)((x0 >> 16) | (x1 & 0xffff0000u)));
             for (int q = 0; q < 4; q++)
-                sums[i][q] = (vec)_mm512_dpbf16_ps((__m512)sums[i][q], (__m512bh)wq[q], x);
+                sums[i][q] = (vec)_mm512_dpbf16_ps((__m512)sums[i][q], (__m512bh)pairs[q], x);
         }
     }
 }
@@ -84,6 +90,86 @@ static inline __attribute__((always_inline)) void fp8_dot_columns(vec s[4]) {
     s[2] = (vec)_mm512_shuffle_f32x4(t1, t3, 0x88), s[3] = (vec)_mm512_shuffle_f32x4(t1, t3, 0xdd);
 }
 
+/* The most K rows of a group fp8_dot_gemm converts at once (on its stack: 32 KB). */
+#define FP8_DOT_MAX_GROUP 256
+
+/* The 4 vectors of a row's sums over one group of rows of k, scaled by the group's scales s and
+ * added to the row's y (its columns back in order; y holds the groups before). */
+static inline __attribute__((always_inline)) void fp8_dot_add(vec sums[4], const vec s[4],
+                                                              float *y, int nv, int first) {
+    fp8_dot_columns(sums);
+    for (int q = 0; q < nv; q++) {
+        vec acc = first ? (vec){0} : load_vec(y + q * VEC);
+        store_vec(y + q * VEC, fma_vv(acc, sums[q], s[q]));
+    }
+}
+
+/* y[r, 0:nv·VEC] for rows r < n of x (bf16 values in float32) times fp8 panel p, each group's
+ * weights turned into bf16 pairs once for every row: the sums of block_gemm's fp8 path, in the
+ * dot products' order, whatever n is. */
+static void fp8_dot_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim,
+                         float *y, int64_t ldy, int nv) {
+    __m512i pairs[FP8_DOT_MAX_GROUP / 2 * 4];
+    for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += p.group, g++) {
+        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
+        vec s[4];
+        for (int q = 0; q < 4; q++) s[q] = load_vec(p.scale + g * PANEL + q * VEC);
+        fp8_dot_pairs(p, k0, k1, pairs);
+        for (int64_t r = 0; r < n; r += ROWS) {
+            int64_t m = n - r < ROWS ? n - r : ROWS;
+            const float *in[ROWS] = {0};
+            vec sums[ROWS][4];
+            for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
+            fp8_dot_rows(in, m, pairs, k0, k1, sums);
+            for (int64_t i = 0; i < m; i++)
+                fp8_dot_add(sums[i], s, y + (r + i) * ldy, nv, k0 == 0);
+        }
+    }
+}
+
+/* Whether fp8_amx_gemm takes a weight of this K and group: AMX here, and groups of whole
+ * tile steps (32 rows of k) that fp8_dot_gemm's buffer holds. */
+int fp8_amx_usable(int64_t k_dim, int64_t group) {
+    return group % 32 == 0 && group <= FP8_DOT_MAX_GROUP && amx_usable(k_dim);
+}
+
+/* y[i, 0:PANEL] (float32) for m bf16 rows a_i = a + i · lda times fp8 panel p on AMX's tiles:
+ * each group's weights turned into bf16 pairs once (fp8_dot_pairs, whose 4 vectors a pair of
+ * rows sit where a bf16 panel's do, so the tiles read them as one, columns in lane order),
+ * multiplied on the tiles 64 rows at a time, scaled and added as fp8_dot_gemm adds them. */
+void fp8_amx_gemm(int *tiles, const uint16_t *a, int64_t lda, int64_t m, struct panel p,
+                  int64_t k_dim, float *y, int64_t ldy) {
+    __m512i pairs[FP8_DOT_MAX_GROUP / 2 * 4];
+    float sums[64 * PANEL];
+    for (int64_t k0 = 0, g = 0; k0 < k_dim; k0 += p.group, g++) {
+        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
+        vec s[4];
+        for (int q = 0; q < 4; q++) s[q] = load_vec(p.scale + g * PANEL + q * VEC);
+        fp8_dot_pairs(p, k0, k1, pairs);
+        for (int64_t r = 0; r < m; r += 64) {
+            int64_t n = m - r < 64 ? m - r : 64;
+            amx_panel_gemm(tiles, a + r * lda + k0, lda, n, (const uint16_t *)pairs, k1 - k0, sums,
+                           PANEL);
+            for (int64_t i = 0; i < n; i++) {
+                vec v[4];
+                for (int q = 0; q < 4; q++) v[q] = load_vec(sums + i * PANEL + q * VEC);
+                fp8_dot_add(v, s, y + (r + i) * ldy, 4, k0 == 0);
+            }
+        }
+    }
+}
+
+#else
+int fp8_amx_usable(int64_t k_dim, int64_t group) {
+    (void)k_dim, (void)group;
+    return 0;
+}
+
+void fp8_amx_gemm(int *tiles, const uint16_t *a, int64_t lda, int64_t m, struct panel p,
+                  int64_t k_dim, float *y, int64_t ldy) {
+    (void)tiles, (void)a, (void)lda, (void)m, (void)p, (void)k_dim, (void)y, (void)ldy;
+    abort(); /* fp8_amx_usable is 0 */
+}
 #endif
 
 #endif

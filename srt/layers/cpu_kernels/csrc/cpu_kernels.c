@@ -17,7 +17,6 @@
  * weights run on AMX's tiles instead where the CPU has them (cpu_amx.c). */
 
 #include "cpu_kernels.h"
-#include "cpu_fp8_dot.h"
 
 /* The panel width the Python side packs weights for. */
 int64_t srt_panel_width(void) { return PANEL; }
@@ -70,6 +69,8 @@ static inline __attribute__((always_inline)) vec load_w(int type, const void *w,
 static inline const float *row_at(const struct rows *x, int64_t i) {
     return x->base + (x->order ? x->order[i] / x->div : i) * x->ld;
 }
+
+#include "cpu_fp8_dot.h"
 
 /* add_products for a bf16 panel, which holds its weights in pairs along k ([K/2][PANEL][2],
  * ``pack_panels``, as AMX reads them): a 32-bit lane holds column j's weights at k (low half)
@@ -137,19 +138,12 @@ static inline __attribute__((always_inline)) void block_gemm(const struct rows *
     for (int64_t i = 0; i < m; i++) in[i] = row_at(x, r + i);
     vec acc[ROWS][4];
     memset(acc, 0, sizeof acc);
-    int fp8 = type == T_FP8 || type == T_FP8_DOT;
-    if (!fp8) add_products(in, m, p, 0, k_dim, hold, nv, type, acc);
-    for (int64_t k0 = 0, g = 0; fp8 && k0 < k_dim; k0 += p.group, g++) {
+    if (type != T_FP8) add_products(in, m, p, 0, k_dim, hold, nv, type, acc);
+    for (int64_t k0 = 0, g = 0; type == T_FP8 && k0 < k_dim; k0 += p.group, g++) {
         vec part[ROWS][4], s[4];
-        int64_t k1 = k0 + p.group < k_dim ? k0 + p.group : k_dim;
         memset(part, 0, sizeof part);
-#if FP8_DOT
-        if (type == T_FP8_DOT) {
-            add_products_fp8_dot(in, m, p, k0, k1, part);
-            for (int64_t i = 0; i < m; i++) fp8_dot_columns(part[i]);
-        } else
-#endif
-            add_products(in, m, p, k0, k1, hold, nv, type, part);
+        add_products(in, m, p, k0, k0 + p.group < k_dim ? k0 + p.group : k_dim, hold, nv, type,
+                     part);
         for (int q = 0; q < nv; q++) s[q] = load_vec(p.scale + g * PANEL + q * VEC);
         for (int64_t i = 0; i < m; i++)
             for (int q = 0; q < nv; q++) acc[i][q] = fma_vv(acc[i][q], part[i][q], s[q]);
@@ -184,9 +178,6 @@ static inline __attribute__((always_inline)) void panel_rows(const struct rows *
 PANEL_GEMM(T_F32)
 PANEL_GEMM(T_BF16)
 PANEL_GEMM(T_FP8)
-#if FP8_DOT
-PANEL_GEMM(T_FP8_DOT)
-#endif
 
 /* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (nv = 4: the whole
  * panel; fewer: a narrow last panel, whose vectors past nv are not computed). */
@@ -195,7 +186,9 @@ void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, 
     if (type == T_BF16) panel_gemm_T_BF16(x, n, p, k_dim, y, ldy, nv);
     else if (type == T_FP8) panel_gemm_T_FP8(x, n, p, k_dim, y, ldy, nv);
 #if FP8_DOT
-    else if (type == T_FP8_DOT) panel_gemm_T_FP8_DOT(x, n, p, k_dim, y, ldy, nv);
+    else if (type == T_FP8_DOT && p.group <= FP8_DOT_MAX_GROUP)
+        fp8_dot_gemm(x, n, p, k_dim, y, ldy, nv);
+    else if (type == T_FP8_DOT) panel_gemm_T_FP8(x, n, p, k_dim, y, ldy, nv);
 #endif
     else panel_gemm_T_F32(x, n, p, k_dim, y, ldy, nv);
 }
@@ -237,7 +230,7 @@ struct linear_call {
     const void *x;
     float *xf;
     int64_t n, k_dim;
-    int type, amx; /* amx: bf16 rows of x times bf16 panels on AMX's tiles */
+    int type, amx; /* amx: bf16 rows of x times bf16 (or fp8, as bf16) panels on AMX's tiles */
     const struct weights *W;
     int64_t n_dim, full, rest, chunks;
     int nv;
@@ -252,7 +245,12 @@ static void linear_tiles(const struct linear_call *c, int64_t b, int64_t r0, int
     float sums[LINEAR_CHUNK * PANEL];
     int64_t cols = b < c->full ? PANEL : c->rest, k_dim = c->k_dim;
     const uint16_t *x = c->x;
-    amx_panel_gemm(tiles, x + r0 * k_dim, k_dim, m, panel_at(c->W, b).w, k_dim, sums, PANEL);
+#if FP8_DOT
+    if (c->type == T_FP8) /* through bf16 pairs of each group (cpu_fp8_dot.h) */
+        fp8_amx_gemm(tiles, x + r0 * k_dim, k_dim, m, panel_at(c->W, b), k_dim, sums, PANEL);
+    else
+#endif
+        amx_panel_gemm(tiles, x + r0 * k_dim, k_dim, m, panel_at(c->W, b).w, k_dim, sums, PANEL);
     for (int64_t i = 0; i < m; i++)
         narrow_acts(T_BF16, sums + i * PANEL, cols,
                     (uint16_t *)c->y + (r0 + i) * c->n_dim + b * PANEL);
@@ -302,6 +300,7 @@ void srt_panel_linear(int act, const void *x, int64_t n, int64_t k_dim, int type
     int64_t chunks = (n + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     int nv = (int)((rest + VEC - 1) / VEC);
     int amx = act == T_BF16 && type == T_BF16 && amx_usable(k_dim);
+    amx = amx || (act == T_BF16 && type == T_FP8 && scale && fp8_amx_usable(k_dim, group));
     float *xf = (float *)x, *yf = y;
     if (act != T_F32) xf = work, yf = work + n * k_dim;
     struct linear_call c = {act, x, xf, n, k_dim, type, amx, &W, n_dim, full, rest, chunks, nv,

@@ -323,6 +323,13 @@ struct rows {
     int64_t div;
 };
 
+/* fp8 panels under bf16 activations on AMX's tiles, each group of k as bf16 (cpu_fp8_dot.h):
+ * fp8_amx_usable says whether they run here for a K of k_dim in groups of `group`;
+ * fp8_amx_gemm computes y[i, 0:PANEL] = a_i · panel for m bf16 rows a_i = a + i · lda. */
+int fp8_amx_usable(int64_t k_dim, int64_t group);
+void fp8_amx_gemm(int *tiles, const uint16_t *a, int64_t lda, int64_t m, struct panel p,
+                  int64_t k_dim, float *y, int64_t ldy);
+
 /* y[r, 0:nv·VEC] for rows r < n of x times panel p of a weight of `type` (cpu_kernels.c). */
 void panel_gemm(const struct rows *x, int64_t n, struct panel p, int64_t k_dim, float *y,
                 int64_t ldy, int nv, int type);
