@@ -90,6 +90,8 @@ class CpuGraph:
 
     def _add_kernel_call(self, name: str, function, args: tuple) -> Any:
         result = function(*args)
+        if function.restype is ctypes.c_int and result:
+            return result  # refused, wrote nothing: the op raises (rope grows its table, retries)
         if function.restype is ctypes.c_int:
             op = name.removeprefix("srt_")
 
@@ -147,6 +149,22 @@ def _is_view_of(out: Any, args: tuple, kwargs: dict) -> bool:
         return False
     inputs = _storages([*args, *kwargs.values()])
     return all(not t.numel() or t.untyped_storage().data_ptr() in inputs for t in outs)
+
+
+class LazyCpuGraph:
+    """A CpuGraph of ``run``, captured by its first call (whose forward is the capture, so a
+    bucket that never decodes costs nothing) and replayed by the next ones."""
+
+    def __init__(self, run: Callable[[], Any]):
+        self._run, self._graph = run, None
+
+    def __call__(self) -> Any:
+        if self._graph is not None:
+            return self._graph.replay()
+        graph = CpuGraph()
+        out = graph.capture(self._run)
+        self._graph = graph
+        return out
 
 
 class _RecordingLibrary:

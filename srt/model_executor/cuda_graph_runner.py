@@ -25,10 +25,11 @@ copies its inputs into the buffers, pads the batch to its bucket and replays the
   ``--overlap-mode auto`` (it times each step), and attention backends whose decode metadata
   is built from host values (``torch_native``).
 
-On CPU a graph is a recorded forward (``cpu_graph.CpuGraph``), captured over the same static
-buffers and replayed by the same logic, on one rank. With ``eager=True`` "capture" keeps the
-callable and "replay" runs it over the same static buffers: the runner's logic (buckets,
-padding, buffer filling, output slicing) is tested that way with DP attention on CPU.
+On CPU a graph is a recorded forward (``cpu_graph.CpuGraph``) over the same static buffers,
+replayed by the same logic, on one rank; each is captured by its bucket's first decode (a
+``CpuGraphError`` there turns them off). With ``eager=True`` "capture" keeps the callable and
+"replay" runs it over the same static buffers: the runner's logic (buckets, padding, buffer
+filling, output slicing) is tested that way with DP attention on CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 from srt.batch_overlap.step_split import plan_split, settle_split
 from srt.layers.logits_processor import LogitsProcessorOutput
-from srt.model_executor.cpu_graph import CpuGraph
+from srt.model_executor.cpu_graph import LazyCpuGraph
 from srt.model_executor.dp_sync import DpSyncInfo, SyncRow, apply_dp_sync, dp_sync_info
 from srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, StepSplit
 
@@ -135,11 +136,8 @@ class CudaGraphRunner:
         run = lambda: model(batch.input_ids, batch.positions, batch)
         if self.eager:
             return _Graph(batch, run)
-        if batch.input_ids.device.type == "cpu":
-            run()  # warm-up: what the forward builds on first use is not recorded
-            graph = CpuGraph()
-            graph.capture(run)
-            return _Graph(batch, graph.replay)
+        if batch.input_ids.device.type == "cpu":  # recorded by the bucket's first decode
+            return _Graph(batch, LazyCpuGraph(run))
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             run()
         torch.cuda.synchronize()

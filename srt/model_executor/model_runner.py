@@ -143,10 +143,7 @@ class ModelRunner:
         if self._can_capture_graphs():
             if self.expert_recorder is not None:  # a replay counts only what was captured
                 self.expert_recorder.always = True
-            try:
-                self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
-            except CpuGraphError as e:  # the forward reads a value on the host
-                logger.info("CPU decode graphs off (decode runs eagerly): %s", e)
+            self.graph_runner = CudaGraphRunner(self, server_args.cuda_graph_bs)
 
     def _init_split_executors(self) -> None:
         """Hand the model the executors of a step split in two micro-batches (models import
@@ -359,16 +356,29 @@ class ModelRunner:
         # on CPU an observed step runs eagerly: a replay runs no operation to watch
         watched = self.model.model.operation_observer is not None and self.device.type == "cpu"
         eager = self.dp_attention or watched
+        out = None
         if graphs is not None and not eager and graphs.can_run(forward_batch):
-            self.apply_cpu_threads(forward_batch)
-            out = graphs.replay(forward_batch)
-            self.last_step_replayed_graph = True
-        else:
+            out = self._replay_or_none(forward_batch)
+        if out is None:
             self.prepare_forward(forward_batch)
             self.step_overlap.start()
             out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             self.step_overlap.finish()
         self.step_counts[(forward_batch.split.mode, forward_batch.forward_mode.name.lower())] += 1
+        return out
+
+    def _replay_or_none(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput | None:
+        """The batch's bucket replayed (``last_step_replayed_graph``), or None where the
+        bucket's first decode finds a CPU forward it cannot record: graphs off from then on
+        (the step runs eagerly; what the attempt wrote, it writes again)."""
+        self.apply_cpu_threads(forward_batch)
+        try:
+            out = self.graph_runner.replay(forward_batch)
+        except CpuGraphError as e:
+            logger.info("CPU decode graphs off (decode runs eagerly): %s", e)
+            self.graph_runner = None
+            return None
+        self.last_step_replayed_graph = True
         return out
 
     def prepare_forward(self, forward_batch: ForwardBatch) -> None:

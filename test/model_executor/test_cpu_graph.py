@@ -99,11 +99,17 @@ def test_a_host_read_is_refused_at_capture():
 
 def test_a_forward_that_reads_the_host_decodes_eagerly(tiny_models, tmp_path):
     """fp8 experts too narrow for the C kernel run one GEMM per expert, their row counts read
-    on the host: no graph, and the eager decode."""
+    on the host: the first decode finds it, runs eagerly, and the graphs are off."""
     from benchmark.common.fp8_checkpoint import quantize_checkpoint
 
     path = quantize_checkpoint(tiny_models["tiny-qwen3-moe"], str(tmp_path / "fp8"), (128, 128))
-    assert ModelRunner(server_args(path, 1, 1, "none")).graph_runner is None
+    args = server_args(path, 1, 1, "none")
+    runner = ModelRunner(args)
+    assert runner.graph_runner is not None  # a bucket is recorded by its first decode
+    got = _logits(runner)
+    assert runner.graph_runner is None and not runner.last_step_replayed_graph
+    want = _logits(ModelRunner(dataclasses.replace(args, disable_cuda_graph=True)))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_graphs_only_where_a_replay_holds_the_step(tiny_models):

@@ -1,16 +1,18 @@
-/* fp8 weights times bf16 activations on AVX512-BF16's dot products (VDPBF16PS), for the GEMMs
- * of cpu_kernels.c (included there only; cpu_experts.c calls fp8_amx_gemm).
+/* fp8 weights times bf16 activations as bf16 weights, for the GEMMs of cpu_kernels.c (included
+ * there only; cpu_experts.c calls fp8_amx_gemm): on AMX's tiles where the CPU has them
+ * (fp8_amx_gemm), else on AVX512-BF16's dot products (VDPBF16PS, fp8_dot_gemm).
  *
  * Widening e4m3 to float32 for an FMA (widen_fp8) costs four instructions per 16 weights, so a
  * decode step over fp8 weights is bound by those instructions rather than by its bytes. Where
  * the activations are bf16 (exactly: ``--dtype bfloat16``) the weights need only become bf16,
  * which holds every e4m3 value exactly: a table lookup on the byte (VPERMI2B, 128 entries, the
  * sign ORed in) gives each weight's two bytes, two rows k and k + 1 are interleaved into the
- * pairs VDPBF16PS multiplies, 32 weights to an instruction. The weights are e4m3 · 2^-8 as
- * widen_fp8 gives them (the scales carry 2^8). The products of bf16 values are exact in float32
- * and each is added to its sum with one rounding, as an FMA adds it, but the pair (k, k + 1)
- * is added k + 1 first: the sums differ from the FMA path's in the last bits (never with the
- * batch: a row's result still does not depend on the rows beside it).
+ * pairs VDPBF16PS and the tiles multiply, 32 weights to an instruction. The weights are
+ * e4m3 · 2^-8 as widen_fp8 gives them (the scales carry 2^8). The products of bf16 values are
+ * exact in float32; VDPBF16PS adds each to its sum with one rounding, as an FMA adds it, but
+ * the pair (k, k + 1) k + 1 first, and the tiles sum in an order of their own: the sums differ
+ * from the FMA path's in the last bits (never with the batch: a row's result still does not
+ * depend on the rows beside it).
  *
  * The interleaving works within 128-bit lanes, so sums[q] lane j holds the columns
  * 16·j + 4·q .. + 3; ``fp8_dot_columns`` puts them back in order (a 4 × 4 transpose of lanes). */
