@@ -58,25 +58,17 @@ class ServerArgs(DebugArgs, EplbArgs, OverlapArgs, ModelArgs):
             choices=ATTENTION_BACKEND_CHOICES,
         ),
     )
-    disable_cuda_graph: bool = field(
-        default=False,
-        metadata=_arg(
-            "kernels",
-            "Decode eagerly instead of from graphs: CUDA graphs on CUDA, recorded decode "
-            "graphs on CPU (one rank).",
-        ),
-    )
-    cuda_graph_max_bs: int | None = field(
-        default=None,
-        metadata=_arg(
-            "kernels", "Largest decode batch replayed from a graph (default 64; on CPU 16)."
-        ),
-    )
+    # fmt: off
+    disable_cuda_graph: bool = field(default=False, metadata=_arg("kernels", "Decode eagerly "
+        "instead of from graphs (CUDA graphs; on CPU, one rank's recorded decode)."))
+    cuda_graph_max_bs: int | None = field(default=None, metadata=_arg("kernels", "Largest "
+        "decode batch replayed from a graph (default 64; on CPU 16)."))
     cuda_graph_bs: list[int] | None = field(
         default=None,
         metadata=_arg("kernels", "Decode batch sizes captured (default: 1, 2, 4, 8, then by 8; "
                       "on CPU 1 to 8, then by 4).", nargs="+"),
-    )  # fmt: skip
+    )
+    # fmt: on
     # Memory and scheduling
     max_total_tokens: int | None = field(
         default=None,

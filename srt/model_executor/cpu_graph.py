@@ -58,10 +58,6 @@ class CpuGraph:
         self._keep: list[Any] = []  # every tensor the steps' arguments point into
         self._output: Any = None
 
-    @property
-    def num_steps(self) -> int:
-        return len(self._steps)
-
     def capture(self, run: Callable[[], Any]) -> Any:
         """Runs ``run`` once, recording it; returns its output, which every replay rewrites."""
         if kernel_ops.recorder is not None:
