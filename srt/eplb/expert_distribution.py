@@ -36,14 +36,17 @@ class ExpertDistributionRecorder:
         """Whether a MoE block records this step's routing."""
         return self.counts_here and (self.recording or self.always or self.window is not None)
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The count rows [E] that one layer's choices go to (the CPU router counts itself)."""
+        counts = (self.counts[layer],) if self.recording or self.always else ()
+        return counts if self.window is None else (*counts, self.window[layer])
+
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer's [T, k] logical choices."""
         ids = topk_ids.flatten()
         ones = torch.ones_like(ids)
-        if self.recording or self.always:
-            self.counts[layer].index_add_(0, ids, ones)
-        if self.window is not None:
-            self.window[layer].index_add_(0, ids, ones)
+        for row in self.rows(layer):
+            row.index_add_(0, ids, ones)
 
     def keep_window(self) -> None:
         """Count into a window of its own too, which ``take_window`` empties (``--enable-eplb``:

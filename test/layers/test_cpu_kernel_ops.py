@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from srt.layers import cpu_kernels
-from srt.layers.cpu_kernels import build, ops
+from srt.layers.cpu_kernels import attention_ops, build, ops
+from srt.layers.moe.topk import TopKConfig
 
 if not cpu_kernels.available():  # the cases below pack weights for the kernels' panels
     pytest.skip("no C compiler to build the kernels", allow_module_level=True)
@@ -64,6 +65,22 @@ def _rope_args(**changes):
     return {**args, **changes}
 
 
+def _store_args(**changes):
+    k_cache, v_cache = torch.zeros(SLOTS, 2, 16), torch.zeros(SLOTS, 2, 16)
+    args = dict(k=torch.randn(3, 2, 16), v=torch.randn(3, 2, 16), loc=torch.tensor([4, 0, 9]),
+                k_cache=k_cache, v_cache=v_cache)  # fmt: skip
+    return {**args, **changes}
+
+
+_TOPK = TopKConfig(2, renormalize=True)
+
+
+def _route_args(**changes):
+    args = dict(logits=torch.randn(3, 8), top_k=2, sigmoid=False, renormalize=True, groups=0,
+                topk_group=0, scaling=1.0)  # fmt: skip
+    return {**args, **changes}
+
+
 def _with(args: tuple, i: int, value) -> tuple:
     return (*args[:i], value, *args[i + 1 :])
 
@@ -100,6 +117,15 @@ METADATA_CASES = [
     ("rope", _rope_args(positions=torch.tensor([0, 1])), "positions has length 2"),
     ("rope", _rope_args(cos_sin=torch.randn(16, 6)), "cos_sin has columns 6"),
     ("rope", _rope_args(x=torch.randn(3, 2, 7), cos_sin=torch.randn(16, 7)), "x has an odd rota"),
+    ("store_kv", _store_args(loc=torch.tensor([4, 0])), "k has tokens 3, expected 2"),
+    ("store_kv", _store_args(v_cache=None), "v and v_cache must be given together"),
+    ("store_kv", _store_args(k=torch.randn(3, 2, 16).bfloat16()), "k_cache must be a 3-d"),
+    ("store_kv", _store_args(v_cache=torch.zeros(SLOTS, 2, 8)), "v rows \\(2, 16\\) are not"),
+    ("select_experts", _route_args(top_k=9), "top_k 9 is outside \\[1, 8\\]"),
+    ("select_experts", _route_args(groups=3, topk_group=1), "groups 3 .* do not split 8"),
+    ("select_experts", _route_args(groups=4, topk_group=1, top_k=3), "top_k 3 is outside"),
+    ("select_experts", _route_args(bias=torch.zeros(7)), "bias has length 7"),
+    ("select_experts", _route_args(counts=torch.zeros(8)), "counts must be a 1-d torch.int64"),
 ]  # fmt: skip
 
 
@@ -114,7 +140,7 @@ class _NoKernels:
 
 
 def _call(op: str, args):
-    impl = getattr(ops, f"_{op}")
+    impl = getattr(ops, f"_{op}", None) or getattr(attention_ops, f"_{op}")
     return impl(**args) if isinstance(args, dict) else impl(*args)
 
 
@@ -146,13 +172,18 @@ INDEX_CASES = [
     ("extend_attention", _extend_args(req_to_token=torch.full((3, 10), -1)),
      "req_to_token holds a slot outside"),
     ("rope", _rope_args(positions=torch.tensor([0, 16, 1])), "positions holds a position"),
+    ("store_kv", _store_args(loc=torch.tensor([4, SLOTS, 9])), "loc holds a slot outside"),
+    ("store_kv", _store_args(loc=torch.tensor([-1, 0, 9])), "loc holds a slot outside"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("op,args,message", INDEX_CASES)
 def test_index_checks_in_c_refuse(op, args, message):
+    caches = [t.clone() for t in args.values() if isinstance(t, torch.Tensor)]
     with pytest.raises(ValueError, match=f"srt::{op}: {message}"):
         _call(op, args)
+    after = [t for t in args.values() if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(caches, after))  # nothing written
 
 
 def test_a_position_past_the_table_is_its_own_error():
@@ -167,7 +198,12 @@ def _every_op(x, panels, norm_weight, q, k_buf, v_buf, table, rows, lens, seqs, 
     decode = cpu_kernels.decode_attention(q, k_buf, v_buf, table, rows, lens, 0.25)
     extend = cpu_kernels.extend_attention(q, k_buf, v_buf, table, seqs, 0.25)
     rotated = cpu_kernels.rope(q, pos, cos_sin, True)
-    return cpu_kernels.rms_norm(experts + total, norm_weight, 1e-6), decode, extend, rotated
+    counts = torch.zeros(q.shape[2], dtype=torch.int64)
+    weights, ids = cpu_kernels.select_experts(rotated[:, 0], _TOPK, None, (counts,))
+    k_cache = torch.zeros_like(k_buf)
+    cpu_kernels.store_kv(rotated[:, :2], None, pos, k_cache, None)
+    return (cpu_kernels.rms_norm(experts + total, norm_weight, 1e-6), decode, extend, rotated,
+            weights, ids, counts, k_cache)  # fmt: skip
 
 
 _EXPERTS = _experts_args(tokens=2)[1:]
@@ -197,8 +233,8 @@ def test_ops_have_schemas_and_profiler_names():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _every_op(*args)
     names = {event.key for event in prof.key_averages()}
-    for op in ("panel_linear", "rms_norm", "fused_add_rms_norm", "fused_experts",
-               "decode_attention", "extend_attention", "rope"):  # fmt: skip
+    for op in ("panel_linear", "rms_norm", "fused_add_rms_norm", "fused_experts", "rope",
+               "decode_attention", "extend_attention", "select_experts", "store_kv"):  # fmt: skip
         assert f"srt::{op}" in names
 
 

@@ -83,8 +83,15 @@ class CpuAttnBackend(AttentionBackend):
 
 
 def _cache(layer, batch: ForwardBatch, k, v, save_kv_cache: bool):
-    """The layer's paged K and V caches, this step's keys and values written first."""
-    pool = batch.token_to_kv_pool
-    if save_kv_cache:
-        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
-    return pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    """The layer's paged K and V caches, this step's keys and values written first (by the
+    kernel where they are of the cache's dtype)."""
+    pool, layer_id = batch.token_to_kv_pool, layer.layer_id
+    k_cache, v_cache = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+    if not save_kv_cache:
+        return k_cache, v_cache
+    values = (None, None) if pool.values_in_keys else (v, v_cache)  # MLA: in the keys
+    if k.dim() == 3 and all(t is None or t.dtype == k_cache.dtype for t in (k, values[0])):
+        cpu_kernels.store_kv(k, values[0], batch.out_cache_loc, k_cache, values[1])
+    else:
+        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+    return k_cache, v_cache

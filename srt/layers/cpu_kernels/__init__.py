@@ -1,31 +1,33 @@
 """CPU kernels in C, each a checked torch op (``srt::…``): a linear layer over weights packed in
 panels (``panel_linear``) and the routed experts of a MoE layer in one call (``fused_experts``),
-float32 activations over float32, bfloat16 or block-FP8 weights; RMSNorm with its residual add
-(``rms_norm``), in ``csrc/cpu_kernels.c``; the norm, rope and attention take float32 or
-bfloat16 activations and KV cache, computing in float32;
-decode attention over the paged KV cache (``decode_attention``) and rotary embedding
-(``rope``), in ``csrc/cpu_attention.c``; causal extend attention over the same cache
-(``extend_attention``), in ``csrc/cpu_extend_attention.c``.
+float32 or bfloat16 activations over float32, bfloat16 or block-FP8 weights, and RMSNorm with
+its residual add (``rms_norm``), in ``csrc/cpu_kernels.c`` and ``csrc/cpu_experts.c``; decode
+attention over the paged KV cache (``decode_attention``) and rotary embedding (``rope``), in
+``csrc/cpu_attention.c``; causal extend attention over the same cache (``extend_attention``),
+in ``csrc/cpu_extend_attention.c``; the router's top-k (``select_experts``) and the cache's
+write (``store_kv``), in ``csrc/cpu_router.c``. The norm, rope, router and attention take
+float32 or bfloat16 activations and KV cache, computing in float32.
 
 ``build.py`` compiles and loads the library (where it cannot, ``available()`` is False and the
-layers keep their PyTorch paths), ``checks.py`` says what each op requires of its arguments
-and ``ops.py`` registers the ops and holds the functions the layers call.
+layers keep their PyTorch paths), ``checks.py`` says what each op requires of its arguments,
+``ops.py`` registers the ops and holds the functions the layers call (the attention ones in
+``attention_ops.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from srt.layers.cpu_kernels.attention_ops import decode_attention, extend_attention, store_kv
 from srt.layers.cpu_kernels.build import load_library
 from srt.layers.cpu_kernels.checks import ACT_TYPES, WEIGHT_TYPES, PositionOutsideTable
 from srt.layers.cpu_kernels.ops import (
-    decode_attention,
-    extend_attention,
     fused_experts,
     panel_linear,
     panel_width,
     rms_norm,
     rope,
+    select_experts,
 )
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "panel_width",
     "rms_norm",
     "rope",
+    "select_experts",
+    "store_kv",
     "supports",
     "use_amx",
 ]

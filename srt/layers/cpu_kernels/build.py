@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 _NAMES = ("cpu_kernels.c", "cpu_experts.c", "cpu_amx.c", "cpu_attention.c",
-          "cpu_extend_attention.c", "cpu_pool.c")  # fmt: skip
+          "cpu_extend_attention.c", "cpu_pool.c", "cpu_router.c")  # fmt: skip
 SOURCES = [CSRC / name for name in _NAMES]
 HEADER = CSRC / "cpu_kernels.h"
 INCLUDED = [HEADER, CSRC / "cpu_fp8_dot.h"]  # every header the sources include
@@ -72,6 +72,14 @@ DECLARATIONS: dict[str, tuple[type | None, list[type]]] = {
          _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _ptr],
     ),
     "srt_rope": (_int, [_int, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _ptr]),
+    "srt_select_experts": (
+        None,
+        [_int, _ptr, _i64, _i64, _i64, _ptr, _int, _i64, _i64, _i64, _int, _f32, _ptr, _ptr,
+         _ptr, _ptr],
+    ),
+    "srt_store_kv": (
+        _int, [_int, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64]
+    ),
 }
 # fmt: on
 

@@ -205,6 +205,46 @@ def check_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) 
         _fail(op, "x", f"has an odd rotary dim {x.shape[2]}")
 
 
+def check_store_kv(k, v, loc, k_cache, v_cache) -> None:
+    """k [T, H, D] with contiguous heads (rows at a stride), k_cache [slots, H, D] of k's dtype
+    (float32 or bfloat16) with contiguous slots' rows; v and v_cache likewise, or both None;
+    loc int64 [T], contiguous."""
+    op = "store_kv"
+    dtype = _act_dtype(op, "k", k)
+    _tensor(op, "loc", loc, torch.int64, 1)
+    if (v is None) != (v_cache is None):
+        _fail(op, "v", "and v_cache must be given together")
+    for name, new, cache in (("k", k, k_cache), ("v", v, v_cache))[: 1 if v is None else 2]:
+        _tensor(op, name, new, dtype, 3, contiguous=False)
+        _tensor(op, f"{name}_cache", cache, dtype, 3, contiguous=False)
+        _equal(op, name, "tokens", new.shape[0], loc.shape[0])
+        if tuple(new.shape[1:]) != tuple(cache.shape[1:]):
+            _fail(op, name, f"rows {tuple(new.shape[1:])} are not the cache's "
+                  f"{tuple(cache.shape[1:])}")  # fmt: skip
+        for t in (new, cache):
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+                _fail(op, name, "and its cache must have contiguous heads")
+
+
+def check_select_experts(logits, top_k: int, groups: int, topk_group: int, bias, counts) -> None:
+    """logits [T, E] float32 or bfloat16, contiguous; 1 ≤ top_k ≤ E (≤ the experts of the
+    chosen groups, where E is split into ``groups`` > 1 groups, ``topk_group`` of them chosen);
+    bias float32 [E]; each of ``counts`` int64 [E]; all contiguous."""
+    op = "select_experts"
+    _tensor(op, "logits", logits, _act_dtype(op, "logits", logits), 2)
+    experts = logits.shape[1]
+    if groups > 1 and (experts % groups or not 1 <= topk_group <= groups):
+        _fail(op, "groups", f"{groups} (choosing {topk_group}) do not split {experts} experts")
+    chosen = experts * topk_group // groups if groups > 1 else experts
+    if not 1 <= top_k <= chosen:
+        _fail(op, "top_k", f"{top_k} is outside [1, {chosen}]")
+    named = [("bias", bias, torch.float32)] + [("counts", c, torch.int64) for c in counts]
+    for name, t, dtype in named:
+        if t is not None:
+            _tensor(op, name, t, dtype, 1)
+            _equal(op, name, "length", t.shape[0], experts)
+
+
 # The C kernels' index checks (csrc/cpu_kernels.h): per op, status code → (argument, problem).
 _INDEX_ERRORS = {
     "decode_attention": {
@@ -219,6 +259,7 @@ _INDEX_ERRORS = {
         -5: ("seqs", "places a sequence's queries outside q's rows"),
     },
     "rope": {-6: ("positions", "holds a position outside the cos/sin table")},
+    "store_kv": {-4: ("loc", "holds a slot outside the KV cache")},
 }
 
 

@@ -1,6 +1,6 @@
 """The CPU kernels as torch ops: ``srt::panel_linear``, ``srt::fused_experts``,
-``srt::rms_norm``, ``srt::fused_add_rms_norm``, ``srt::decode_attention``,
-``srt::extend_attention`` and ``srt::rope``.
+``srt::select_experts``, ``srt::rms_norm``, ``srt::fused_add_rms_norm`` and ``srt::rope`` (the
+attention ones in ``attention_ops.py``).
 
 Each op is registered with ``torch.library.custom_op`` (a schema, a name in the profiler, a
 fake implementation that ``torch.compile`` traces with) and its implementation checks its
@@ -55,9 +55,10 @@ def _status(op: str, status: int) -> None:
         raise checks.index_error(op, status)
 
 
-def _op(name: str, impl: Callable, fake: Callable):
-    """Registers ``srt::name`` (schema from impl's annotations) and returns its overload."""
-    torch.library.custom_op(f"srt::{name}", impl, mutates_args=(), device_types="cpu")
+def _op(name: str, impl: Callable, fake: Callable, mutates: tuple[str, ...] = ()):
+    """Registers ``srt::name`` (schema from impl's annotations; ``mutates``: the arguments it
+    writes) and returns its overload."""
+    torch.library.custom_op(f"srt::{name}", impl, mutates_args=mutates, device_types="cpu")
     torch.library.register_fake(f"srt::{name}", fake)
     return getattr(torch.ops.srt, name).default
 
@@ -200,6 +201,67 @@ def fused_experts(
     return _fused_experts_op(*args) if _observed() else _fused_experts(*args)
 
 
+# --- select_experts: the router's top-k ---------------------------------------------------
+
+
+def _select_experts(
+    logits: torch.Tensor,
+    top_k: int,
+    sigmoid: bool,
+    renormalize: bool,
+    groups: int,
+    topk_group: int,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    window: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.check_select_experts(logits, top_k, groups, topk_group, bias, (counts, window))
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    _lib().srt_select_experts(
+        checks.ACT_TYPES[logits.dtype], logits.data_ptr(), tokens, experts, experts, _ptr(bias),
+        int(sigmoid), top_k, groups, topk_group, int(renormalize), scaling, weights.data_ptr(),
+        ids.data_ptr(), _ptr(counts), _ptr(window),
+    )  # fmt: skip
+    return weights, ids
+
+
+def _select_experts_fake(logits, top_k, sigmoid, renormalize, groups, topk_group, scaling,
+                         bias=None, counts=None, window=None):  # fmt: skip
+    checks.check_select_experts(logits, top_k, groups, topk_group, bias, (counts, window))
+    return logits.new_empty(logits.shape[0], top_k, dtype=torch.float32), logits.new_empty(
+        logits.shape[0], top_k, dtype=torch.int64
+    )
+
+
+_select_experts_op = _op(
+    "select_experts", _select_experts, _select_experts_fake, mutates=("counts", "window")
+)
+
+
+def select_experts(
+    logits: torch.Tensor,
+    cfg,
+    bias: torch.Tensor | None = None,
+    counts: tuple[torch.Tensor, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for ``logits [T, E]`` (float32 or bfloat16) under ``cfg`` (a
+    ``srt.layers.moe.topk.TopKConfig``), as ``srt.layers.moe.topk.select_experts`` makes it:
+    weights [T, top_k] float32 and ids [T, top_k] int64, best first. Each of ``counts`` (at
+    most two int64 [E] rows: the expert-distribution recorder's) gains one per choice."""
+    if cfg.scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"unsupported scoring function {cfg.scoring_func!r}")
+    grouped = bool(cfg.num_expert_group and cfg.topk_group and cfg.num_expert_group > 1)
+    args = (
+        logits.contiguous(), cfg.top_k, cfg.scoring_func == "sigmoid", cfg.renormalize,
+        cfg.num_expert_group if grouped else 0, cfg.topk_group if grouped else 0,
+        float(cfg.routed_scaling_factor), None if bias is None else bias.float(), *counts,
+    )  # fmt: skip
+    return _select_experts_op(*args) if _observed() else _select_experts(*args)
+
+
 # --- rms_norm and fused_add_rms_norm ---------------------------------------------------------
 
 
@@ -279,118 +341,6 @@ def rms_norm(
         return _rms_norm_op(x, weight, eps) if _observed() else _rms_norm(x, weight, eps)
     args = (x, residual, weight, eps)
     return _fused_add_rms_norm_op(*args) if _observed() else _fused_add_rms_norm(*args)
-
-
-# --- decode_attention and extend_attention over the paged KV cache ---------------------------
-
-
-def _cache_args(q, k_buf, v_buf, req_to_token) -> tuple:
-    """The C functions' arguments from heads to num_slots, after q's pointer (which comes
-    first) and the batch sizes (which the caller places after it)."""
-    _, kv_heads, v_dim = v_buf.shape
-    num_slots = min(k_buf.shape[0], v_buf.shape[0])
-    return (
-        q.data_ptr(), q.shape[1], q.shape[2], k_buf.data_ptr(), k_buf.stride(0),
-        v_buf.data_ptr(), v_buf.stride(0), v_dim, kv_heads, req_to_token.data_ptr(),
-        req_to_token.stride(0), *req_to_token.shape, num_slots,
-    )  # fmt: skip
-
-
-def _attention_out(q: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], v_buf.shape[2])
-
-
-def _decode_attention(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
-    out = _attention_out(q, v_buf)
-    q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
-    status = _lib().srt_decode_attention(
-        checks.ACT_TYPES[q.dtype], q_ptr, q.shape[0], *cache, req_pool_indices.data_ptr(),
-        seq_lens.data_ptr(), scale, out.data_ptr(),
-    )  # fmt: skip
-    _status("decode_attention", status)
-    return out
-
-
-def _decode_attention_fake(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale):
-    checks.check_decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
-    return _attention_out(q, v_buf)
-
-
-_decode_attention_op = _op("decode_attention", _decode_attention, _decode_attention_fake)
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One decode query per sequence, ``q [B, H, D]``, over its ``seq_lens[b]`` (≥ 1) cached
-    tokens, read in place: keys ``k_buf [slots, Hk, D]``, values ``v_buf [slots, Hk, Dv]`` (a
-    view of the keys' first columns is fine: MLA), the slots in row ``req_pool_indices[b]`` of
-    ``req_to_token``. Returns ``[B, H, Dv]``."""
-    args = (
-        q.contiguous(), k_buf, v_buf, req_to_token,
-        req_pool_indices.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous(),
-        scale,
-    )  # fmt: skip
-    return _decode_attention_op(*args) if _observed() else _decode_attention(*args)
-
-
-def _extend_attention(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    seqs: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
-    out = _attention_out(q, v_buf)
-    q_ptr, *cache = _cache_args(q, k_buf, v_buf, req_to_token)
-    status = _lib().srt_extend_attention(
-        checks.ACT_TYPES[q.dtype], q_ptr, q.shape[0], seqs.shape[1], *cache,
-        *(seqs[i].data_ptr() for i in range(4)), scale, out.data_ptr(),
-    )  # fmt: skip
-    _status("extend_attention", status)
-    return out
-
-
-def _extend_attention_fake(q, k_buf, v_buf, req_to_token, seqs, scale):
-    checks.check_extend_attention(q, k_buf, v_buf, req_to_token, seqs, scale)
-    return _attention_out(q, v_buf)
-
-
-_extend_attention_op = _op("extend_attention", _extend_attention, _extend_attention_fake)
-
-
-def extend_attention(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    req_to_token: torch.Tensor,
-    seqs: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of new tokens over their sequences' cached ones, read in place:
-    ``q [T, H, D]`` holds each sequence's new tokens in turn; ``seqs [4, B]`` (int64) holds, per
-    sequence, its row of ``req_to_token``, its cached prefix length, its number of new tokens
-    and its first row of ``q``. The new tokens' keys and values must already be in the cache
-    (``k_buf [slots, Hk, D]``, ``v_buf [slots, Hk, Dv]``). Returns ``[T, H, Dv]``."""
-    args = (q.contiguous(), k_buf, v_buf, req_to_token, seqs, scale)
-    return _extend_attention_op(*args) if _observed() else _extend_attention(*args)
 
 
 # --- rope --------------------------------------------------------------------------------------

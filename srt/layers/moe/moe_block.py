@@ -18,9 +18,12 @@ from torch import nn
 
 from srt.eplb.expert_distribution import ExpertDistributionRecorder
 from srt.eplb.expert_location import ExpertDispatchMap
+from srt.layers import cpu_kernels
+from srt.layers.cpu_kernels import ACT_TYPES
 from srt.layers.dp_attention import max_chunk_tokens
 from srt.layers.linear import linear, pack_weight
 from srt.layers.moe.blocked_experts import BlockedProjection
+from srt.layers.moe.expert_kernel import ExpertKernel
 from srt.layers.moe.fused_moe import FusedMoE
 from srt.layers.moe.token_dispatcher.base import CommMeter, TokenDispatcher
 from srt.layers.moe.topk import TopKConfig, select_experts
@@ -101,10 +104,17 @@ class SparseMoeBlock(nn.Module):
         state.put(router_logits=self.gate(state.get("mlp_input")))
 
     def op_select_experts(self, state: LayerState) -> None:
-        logits = state.pop("router_logits")
-        weights, ids = select_experts(logits, self.topk_config, self.gate.e_score_correction_bias)
-        if self.recorder is not None and self.recorder.active:
-            self.recorder.record(self.layer_id, ids)
+        """The router's choice, counted by the recorder where it is active. Where the experts
+        run in the CPU kernels, so does the choice, counting included (one call)."""
+        logits, bias = state.pop("router_logits"), self.gate.e_score_correction_bias
+        recorder = self.recorder if self.recorder is not None and self.recorder.active else None
+        if self.experts.packed_kernel is ExpertKernel.CPU_KERNEL and logits.dtype in ACT_TYPES:
+            counts = () if recorder is None else recorder.rows(self.layer_id)
+            weights, ids = cpu_kernels.select_experts(logits, self.topk_config, bias, counts)
+        else:
+            weights, ids = select_experts(logits, self.topk_config, bias)
+            if recorder is not None:
+                recorder.record(self.layer_id, ids)
         if self.dispatch_map is not None:
             ids = self.dispatch_map(ids)
         state.put(topk_output=(weights, ids))

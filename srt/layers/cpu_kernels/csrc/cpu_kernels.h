@@ -47,6 +47,13 @@ int srt_extend_attention(int type, const void *q, int64_t tokens, int64_t batch,
 int srt_rope(int type, const void *x, int64_t tokens, int64_t heads, int64_t ld_token,
              int64_t ld_head, int64_t rot, const int64_t *positions, const float *cos_sin,
              int64_t rows, int neox, void *out);
+void srt_select_experts(int act, const void *logits, int64_t tokens, int64_t experts, int64_t ld,
+                        const float *bias, int sigmoid, int64_t top_k, int64_t groups,
+                        int64_t topk_group, int renormalize, float scaling, float *weights,
+                        int64_t *ids, int64_t *counts, int64_t *window);
+int srt_store_kv(int type, int64_t tokens, const int64_t *loc, int64_t num_slots, const void *k,
+                 int64_t k_ld, int64_t k_row, void *k_cache, int64_t k_stride, const void *v,
+                 int64_t v_ld, int64_t v_row, void *v_cache, int64_t v_stride);
 
 /* A parallel region of the kernels' own threads (cpu_pool.c): team_run calls fn(arg, team) on
  * each of a team's threads, the calling one among them, and returns when all have; on one
