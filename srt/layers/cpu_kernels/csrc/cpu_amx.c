@@ -77,40 +77,54 @@ static void amx_rows(int *rows, int m) {
     *rows = m;
 }
 
-/* y[i, 0:64] (+)= Σ_{k0 ≤ k < k1} a_i[k] · panel[k] for i < m ≤ 16, rows a_i = a + i · lda
- * (bf16), the panel bf16 in pairs along k (its pair row j at panel + j · 2 · PANEL), k0 and k1
- * multiples of 32: the sums start from zero at k0 = 0, else from y. */
-static void amx_block(int *rows, const uint16_t *a, int64_t lda, int m, const uint16_t *panel,
-                      int64_t k0, int64_t k1, float *y, int64_t ldy) {
-    const int64_t pair_row = 2 * PANEL * sizeof *panel, ld = ldy * sizeof *y;
+/* A block of m ≤ 16 rows in three steps: amx_block_start (the sums zeroed, or loaded from y),
+ * amx_block_k (32 k more: rows a_i = a + i · lda, the panel's 16 pair rows from `pairs`, bf16
+ * pairs along k, pair row j at pairs + j · 2 · PANEL), amx_block_store (the sums to y). */
+static void amx_block_start(int *rows, int m, int zero, const float *y, int64_t ldy) {
+    const int64_t ld = ldy * sizeof *y;
     amx_rows(rows, m);
-    if (k0 == 0) {
+    if (zero) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-    } else {
-        _tile_loadd(0, y, ld);
-        _tile_loadd(1, y + 16, ld);
-        _tile_loadd(2, y + 32, ld);
-        _tile_loadd(3, y + 48, ld);
+        return;
     }
-    for (int64_t k = k0; k < k1; k += 32) {
-        const uint16_t *b = panel + k * PANEL;
-        _tile_loadd(4, a + k, lda * sizeof *a);
-        _tile_loadd(5, b, pair_row);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b + 32, pair_row);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, b + 64, pair_row);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, b + 96, pair_row);
-        _tile_dpbf16ps(3, 4, 6);
-    }
+    _tile_loadd(0, y, ld);
+    _tile_loadd(1, y + 16, ld);
+    _tile_loadd(2, y + 32, ld);
+    _tile_loadd(3, y + 48, ld);
+}
+
+static inline void amx_block_k(const uint16_t *a, int64_t lda, const uint16_t *pairs) {
+    const int64_t pair_row = 2 * PANEL * sizeof *pairs;
+    _tile_loadd(4, a, lda * sizeof *a);
+    _tile_loadd(5, pairs, pair_row);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, pairs + 32, pair_row);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, pairs + 64, pair_row);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, pairs + 96, pair_row);
+    _tile_dpbf16ps(3, 4, 6);
+}
+
+static void amx_block_store(float *y, int64_t ldy) {
+    const int64_t ld = ldy * sizeof *y;
     _tile_stored(0, y, ld);
     _tile_stored(1, y + 16, ld);
     _tile_stored(2, y + 32, ld);
     _tile_stored(3, y + 48, ld);
+}
+
+/* y[i, 0:64] (+)= Σ_{k0 ≤ k < k1} a_i[k] · panel[k] for i < m ≤ 16, rows a_i = a + i · lda
+ * (bf16), the panel bf16 in pairs along k, k0 and k1 multiples of 32: the sums start from zero
+ * at k0 = 0, else from y. */
+static void amx_block(int *rows, const uint16_t *a, int64_t lda, int m, const uint16_t *panel,
+                      int64_t k0, int64_t k1, float *y, int64_t ldy) {
+    amx_block_start(rows, m, k0 == 0, y, ldy);
+    for (int64_t k = k0; k < k1; k += 32) amx_block_k(a + k, lda, panel + k * PANEL);
+    amx_block_store(y, ldy);
 }
 #endif
 
@@ -129,6 +143,22 @@ void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
     }
 #else
     (void)rows, (void)a, (void)lda, (void)n, (void)panel, (void)k_dim, (void)y, (void)ldy;
+    abort(); /* amx_usable is 0 */
+#endif
+}
+
+void amx_first_block(int *rows, int m, float *y, int64_t ldy, amx_fill fill, void *arg,
+                     const uint16_t *a, int64_t lda, const uint16_t *pairs, int64_t k_dim) {
+#if HAVE_AMX
+    amx_block_start(rows, m, 1, y, ldy);
+    for (int64_t k = 0; k < k_dim; k += 32) {
+        fill(arg, k, k + 32);
+        amx_block_k(a + k, lda, pairs + k * PANEL);
+    }
+    amx_block_store(y, ldy);
+#else
+    (void)rows, (void)m, (void)y, (void)ldy, (void)fill, (void)arg, (void)a, (void)lda;
+    (void)pairs, (void)k_dim;
     abort(); /* amx_usable is 0 */
 #endif
 }

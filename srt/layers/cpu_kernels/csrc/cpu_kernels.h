@@ -118,6 +118,13 @@ int amx_usable(int64_t k_dim);
 void amx_panel_gemm(int *rows, const uint16_t *a, int64_t lda, int64_t n,
                     const uint16_t *panel, int64_t k_dim, float *y, int64_t ldy);
 void amx_end(int *rows);
+/* The first block of m ≤ 16 rows of amx_panel_gemm over K = k_dim ≤ 256, its panel's pairs
+ * written by `fill` 32 k at a time (fill(arg, k, k + 32) writes pair rows k/2 .. of `pairs`)
+ * just before the tiles read them, so that the writing and the tiles' work overlap; the sums
+ * are amx_panel_gemm's, bit for bit (cpu_fp8_dot.h converts fp8 so). */
+typedef void (*amx_fill)(void *arg, int64_t k0, int64_t k1);
+void amx_first_block(int *rows, int m, float *y, int64_t ldy, amx_fill fill, void *arg,
+                     const uint16_t *a, int64_t lda, const uint16_t *pairs, int64_t k_dim);
 
 static inline vec load_vec(const float *p) {
     vec v;
