@@ -8,7 +8,9 @@ CUDA graph does on the GPU, a ``CpuGraph`` records what a forward over static bu
 order, and replays exactly that:
 
 - a C kernel call (``srt.layers.cpu_kernels``): the function and its arguments, which are the
-  addresses of tensors the graph keeps alive, sizes and constants;
+  addresses of tensors the graph keeps alive, sizes and constants; consecutive calls are kept as
+  one program that the library runs in one call (``srt_run``: through ctypes each call would
+  cost 2-3 µs of argument conversion, as much as a small kernel's work);
 - a PyTorch op, seen by a dispatch mode below autograd: one that writes its arguments
   (``copy_``, ``index_put_``) runs again on them; one that returns a new tensor runs again and
   its result is copied into the tensor the capture returned, which later calls read; views and
@@ -25,6 +27,7 @@ ones a CUDA graph captures, on one rank.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +60,9 @@ class CpuGraph:
         self._steps: list[Callable[[], Any]] = []
         self._keep: list[Any] = []  # every tensor the steps' arguments point into
         self._output: Any = None
+        self._lib: ctypes.CDLL | None = None
+        self._program: list[int] = []  # the kernel calls since the last step, as srt_run's words
+        self._calls: list[str] = []  # their ops' names
 
     def capture(self, run: Callable[[], Any]) -> Any:
         """Runs ``run`` once, recording it; returns its output, which every replay rewrites."""
@@ -67,6 +73,7 @@ class CpuGraph:
         try:
             with forbid_host_sync(), _OpRecorder(self):
                 self._output = run()
+            self._end_program()
         except HostSyncError as e:
             raise CpuGraphError(str(e)) from e
         finally:
@@ -82,27 +89,41 @@ class CpuGraph:
 
     def library(self, lib: ctypes.CDLL) -> _RecordingLibrary:
         """The kernels' library as the ops see it while this graph is captured."""
+        self._lib = lib
         return _RecordingLibrary(lib, self)
 
     def _add_kernel_call(self, name: str, function, args: tuple) -> Any:
         result = function(*args)
         if function.restype is ctypes.c_int and result:
             return result  # refused, wrote nothing: the op raises (rope grows its table, retries)
-        if function.restype is ctypes.c_int:
-            op = name.removeprefix("srt_")
+        count = ctypes.c_int64()
+        op = self._lib.srt_program_op(name.encode(), ctypes.byref(count))
+        if op < 0 or count.value != len(args):
+            raise CpuGraphError(f"{name} cannot be called from a program")
+        self._program += [op, *map(_word, function.argtypes, args)]
+        self._calls.append(name.removeprefix("srt_"))
+        return result
 
-            def step() -> None:
-                status = function(*args)
-                if status:
-                    raise index_error(op, status)
+    def _end_program(self) -> None:
+        """The kernel calls since the last step as one step, run by the library."""
+        if not self._calls:
+            return
+        program = torch.tensor(self._program, dtype=torch.int64)
+        run, calls, failed = self._lib.srt_run, self._calls, ctypes.c_int64()
+        address, length, where = program.data_ptr(), program.numel(), ctypes.byref(failed)
+        self._keep.append(program)
+        self._program, self._calls = [], []
 
-        else:
-
-            def step() -> None:
-                function(*args)
+        def step() -> None:
+            status = run(address, length, where)
+            if status:
+                raise index_error(calls[failed.value], status)
 
         self._steps.append(step)
-        return result
+
+    def _add_step(self, step: Callable[[], Any]) -> None:
+        self._end_program()
+        self._steps.append(step)
 
     def _add_op(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         self._keep.append((args, kwargs, out))
@@ -113,20 +134,28 @@ class CpuGraph:
             return
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            self._steps.append(lambda: func(*args, **kwargs))
+            self._add_step(lambda: func(*args, **kwargs))
         elif _is_view_of(out, args, kwargs):
             return  # a view of tensors the graph keeps
         elif isinstance(out, torch.Tensor):
-            self._steps.append(lambda: out.copy_(func(*args, **kwargs)))
+            self._add_step(lambda: out.copy_(func(*args, **kwargs)))
         elif isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
 
             def step() -> None:
                 for captured, new in zip(out, func(*args, **kwargs)):
                     captured.copy_(new)
 
-            self._steps.append(step)
+            self._add_step(step)
         else:
             raise CpuGraphError(f"{func} returns {type(out).__name__}, which a replay cannot hold")
+
+
+def _word(kind, value) -> int:
+    """A kernel argument as srt_run's 64-bit word: a float's bits, an address (0 for None), an
+    integer."""
+    if kind is ctypes.c_float:
+        return struct.unpack("<I", struct.pack("<f", value))[0]
+    return 0 if value is None else int(value)
 
 
 def _storages(values) -> set[int]:

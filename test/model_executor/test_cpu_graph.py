@@ -86,6 +86,27 @@ def test_the_recorder_replays_computation_and_keeps_views():
     assert buf.tolist() == [1.0, 3.0, 5.0] and view.tolist() == [[1.0, 3.0, 5.0]]
 
 
+def test_kernel_calls_replay_as_one_program_between_torch_ops():
+    """Consecutive C calls run as one program (one step), in order with the torch ops around
+    them; a kernel's index check that fails in a replay raises as the op would."""
+    x, positions = torch.randn(3, 2, 8), torch.tensor([0, 5, 2])
+    cos_sin, weight = torch.randn(16, 8), torch.rand(8)
+
+    def forward():
+        rotated = cpu_kernels.rope(x, positions, cos_sin, True)
+        normed = cpu_kernels.rms_norm(rotated, weight, 1e-6)  # with rope: one program
+        return cpu_kernels.rms_norm(normed * 2, weight, 1e-6)  # mul, then a second program
+
+    graph = CpuGraph()
+    graph.capture(forward)
+    assert len(graph._steps) == 3
+    x.add_(1)
+    assert torch.equal(graph.replay(), forward())
+    positions[1] = 16  # past the table
+    with pytest.raises(ValueError, match="srt::rope: positions holds a position outside"):
+        graph.replay()
+
+
 def test_a_host_read_is_refused_at_capture():
     x = torch.ones(2)
     with pytest.raises(CpuGraphError, match="item"):

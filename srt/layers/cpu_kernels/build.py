@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 _NAMES = ("cpu_kernels.c", "cpu_experts.c", "cpu_amx.c", "cpu_attention.c",
-          "cpu_extend_attention.c", "cpu_pool.c", "cpu_router.c")  # fmt: skip
+          "cpu_extend_attention.c", "cpu_pool.c", "cpu_router.c", "cpu_program.c")  # fmt: skip
 SOURCES = [CSRC / name for name in _NAMES]
 HEADER = CSRC / "cpu_kernels.h"
 INCLUDED = [HEADER, CSRC / "cpu_fp8_dot.h"]  # every header the sources include
@@ -80,6 +80,8 @@ DECLARATIONS: dict[str, tuple[type | None, list[type]]] = {
     "srt_store_kv": (
         _int, [_int, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64]
     ),
+    "srt_program_op": (_i64, [_ptr, _ptr]),
+    "srt_run": (_int, [_ptr, _i64, _ptr]),
 }
 # fmt: on
 

@@ -54,6 +54,8 @@ void srt_select_experts(int act, const void *logits, int64_t tokens, int64_t exp
 int srt_store_kv(int type, int64_t tokens, const int64_t *loc, int64_t num_slots, const void *k,
                  int64_t k_ld, int64_t k_row, void *k_cache, int64_t k_stride, const void *v,
                  int64_t v_ld, int64_t v_row, void *v_cache, int64_t v_stride);
+int64_t srt_program_op(const char *name, int64_t *args);
+int srt_run(const int64_t *program, int64_t length, int64_t *failed);
 
 /* A parallel region of the kernels' own threads (cpu_pool.c): team_run calls fn(arg, team) on
  * each of a team's threads, the calling one among them, and returns when all have; on one
