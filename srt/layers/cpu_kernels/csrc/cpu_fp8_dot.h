@@ -37,7 +37,7 @@ __attribute__((constructor)) static void fp8_bf16_table(void) {
     }
 }
 
-/* One row of PANEL e4m3 bytes as bf16: the low bytes and the high bytes (sign included). */
+/* PANEL e4m3 bytes as bf16: the low bytes and the high bytes (sign included). */
 static inline __attribute__((always_inline)) void fp8_row_bf16(__m512i b, const __m512i t[4],
                                                                __m512i *lo, __m512i *hi) {
     *lo = _mm512_permutex2var_epi8(t[0], b, t[1]);
@@ -53,25 +53,29 @@ static inline __attribute__((always_inline)) void fp8_row_bf16(__m512i b, const 
 #define FP8_FAR 512
 
 /* The weights of rows k0 .. k1 of an fp8 panel as bf16 pairs (k, k + 1), 4 vectors a pair of
- * rows in lane order (see above; an odd last row is paired with zeros). */
+ * rows in lane order (see above; an odd last row is paired with zeros). The two rows' bytes are
+ * interleaved first, so that each lookup's low and high bytes interleave into whole pairs: 10
+ * shuffles for 128 weights, against 12 where each row is looked up alone. */
 static inline void fp8_dot_pairs(struct panel p, int64_t k0, int64_t k1, __m512i *pairs) {
     const __m512i t[4] = {
         _mm512_loadu_si512(fp8_bf16_bytes[0]), _mm512_loadu_si512(fp8_bf16_bytes[0] + 64),
         _mm512_loadu_si512(fp8_bf16_bytes[1]), _mm512_loadu_si512(fp8_bf16_bytes[1] + 64)};
     const uint8_t *w = p.w;
     for (int64_t k = k0; k < k1; k += 2, pairs += 4) {
-        __m512i l0, h0, l1, h1;
         _mm_prefetch((const char *)w + (k + FP8_AHEAD) * PANEL, _MM_HINT_T0);
         _mm_prefetch((const char *)w + (k + FP8_AHEAD + 1) * PANEL, _MM_HINT_T0);
         _mm_prefetch((const char *)w + (k + FP8_FAR) * PANEL, _MM_HINT_T1);
         _mm_prefetch((const char *)w + (k + FP8_FAR + 1) * PANEL, _MM_HINT_T1);
-        fp8_row_bf16(_mm512_loadu_si512(w + k * PANEL), t, &l0, &h0);
-        fp8_row_bf16(k + 1 < k1 ? _mm512_loadu_si512(w + (k + 1) * PANEL) : _mm512_setzero_si512(),
-                     t, &l1, &h1);
-        __m512i a = _mm512_unpacklo_epi8(l0, h0), b = _mm512_unpackhi_epi8(l0, h0);
-        __m512i c = _mm512_unpacklo_epi8(l1, h1), d = _mm512_unpackhi_epi8(l1, h1);
-        pairs[0] = _mm512_unpacklo_epi16(a, c), pairs[1] = _mm512_unpackhi_epi16(a, c);
-        pairs[2] = _mm512_unpacklo_epi16(b, d), pairs[3] = _mm512_unpackhi_epi16(b, d);
+        __m512i a = _mm512_loadu_si512(w + k * PANEL);
+        __m512i b = k + 1 < k1 ? _mm512_loadu_si512(w + (k + 1) * PANEL) : _mm512_setzero_si512();
+        /* per 128-bit lane j: columns 16j .. 16j + 7 of rows k and k + 1 byte by byte, then
+         * columns 16j + 8 .. 16j + 15; each pair of bf16 bytes from them is one weight */
+        __m512i lo, hi, x[2] = {_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)};
+        for (int h = 0; h < 2; h++) {
+            fp8_row_bf16(x[h], t, &lo, &hi);
+            pairs[2 * h] = _mm512_unpacklo_epi8(lo, hi);
+            pairs[2 * h + 1] = _mm512_unpackhi_epi8(lo, hi);
+        }
     }
 }
 
