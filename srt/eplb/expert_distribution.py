@@ -6,10 +6,11 @@ with ``--moe-a2a-backend none`` every rank routes every token, so only rank 0 co
 group's ranks handle the start, stop and dump messages at the same step, so a dump sums the
 group's counts with one collective of that group; the tokenizer manager sums the groups'.
 
-On CPU the count runs only while recording (it costs a call per layer). Where decode runs
-from graphs (CUDA, and CPU decode graphs) it always runs, so that the graphs capture it (one
-``index_add_`` per layer, no host sync); start zeroes the counts there, and stop keeps what
-they held.
+On CPU the count runs only while recording (it costs a call per layer; where the experts run
+in the C kernels, the router's kernel counts as it chooses: ``rows``). Where decode runs from
+graphs (CUDA, and CPU decode graphs) it always runs, so that the graphs capture it (one
+``index_add_`` per layer, or the router's count, no host sync); start zeroes the counts
+there, and stop keeps what they held.
 """
 
 from __future__ import annotations
