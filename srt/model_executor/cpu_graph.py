@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from srt.layers import cpu_kernels
 from srt.layers.cpu_kernels import ops as kernel_ops
+from srt.layers.cpu_kernels.build import load_library
 from srt.layers.cpu_kernels.checks import index_error
 from srt.utils.sync_guard import HostSyncError, forbid_host_sync
 
@@ -68,6 +70,7 @@ class CpuGraph:
         """Runs ``run`` once, recording it; returns its output, which every replay rewrites."""
         if kernel_ops.recorder is not None:
             raise CpuGraphError("a CPU graph is already being captured")
+        self._lib = load_library()
         kernel_ops.recorder = self
         self._keep.append(kernel_ops.work_buffer_in_use())
         try:
@@ -96,13 +99,43 @@ class CpuGraph:
         result = function(*args)
         if function.restype is ctypes.c_int and result:
             return result  # refused, wrote nothing: the op raises (rope grows its table, retries)
+        self._add_call(name, list(map(_word, function.argtypes, args)))
+        return result
+
+    def _add_call(self, name: str, words: list[int]) -> None:
         count = ctypes.c_int64()
         op = self._lib.srt_program_op(name.encode(), ctypes.byref(count))
-        if op < 0 or count.value != len(args):
+        if op < 0 or count.value != len(words):
             raise CpuGraphError(f"{name} cannot be called from a program")
-        self._program += [op, *map(_word, function.argtypes, args)]
+        self._program += [op, *words]
         self._calls.append(name.removeprefix("srt_"))
-        return result
+
+    def _add_in_c(self, packet, args: tuple, out: Any) -> bool:
+        """A cast between float32 and bf16, or an embedding's gather, as a program's call
+        (``csrc/cpu_program.c``): run as torch ops, each costs tens of µs in a decode step, its
+        code and data cold after the weights' streaming. Whether the op was taken so."""
+        if self._lib is None or not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            return False
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not x.is_cpu or not x.is_contiguous():
+            return False
+        types = cpu_kernels.ACT_TYPES
+        if packet in (aten.to, aten._to_copy) and x.dtype in types and out.dtype in types:
+            same = x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+            if x.numel() != out.numel() or same:
+                return False
+            words = [types[x.dtype], x.data_ptr(), x.numel(), types[out.dtype], out.data_ptr()]
+            self._add_call("convert", words)
+            return True
+        index = args[1] if len(args) > 1 else None
+        if packet is aten.embedding and x.dim() == 2 and isinstance(index, torch.Tensor):
+            if index.dtype != torch.int64 or not index.is_contiguous():
+                return False
+            row = x.shape[1] * x.element_size()
+            words = [x.data_ptr(), x.shape[0], row, index.data_ptr(), index.numel(), out.data_ptr()]
+            self._add_call("gather_rows", words)
+            return True
+        return False
 
     def _end_program(self) -> None:
         """The kernel calls since the last step as one step, run by the library."""
@@ -130,7 +163,7 @@ class CpuGraph:
         packet = func.overloadpacket
         if packet in _HOST_VALUES:
             raise CpuGraphError(f"{func}: a value on the host, which a replay would not renew")
-        if packet in _ALLOCATIONS:
+        if packet in _ALLOCATIONS or self._add_in_c(packet, args, out):
             return
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):

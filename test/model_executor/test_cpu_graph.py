@@ -107,6 +107,27 @@ def test_kernel_calls_replay_as_one_program_between_torch_ops():
         graph.replay()
 
 
+def test_casts_and_embeddings_replay_in_the_program():
+    """A cast between float32 and bf16 and an embedding's gather join the kernels' program
+    (one step for the whole forward), with torch's bits; a bad index raises in the replay."""
+    table, ids, positions = torch.randn(10, 8), torch.tensor([3, 7]), torch.tensor([0, 1])
+    cos_sin = torch.randn(16, 4)
+
+    def forward():
+        rows = torch.nn.functional.embedding(ids, table).bfloat16()  # a gather, then a cast
+        return cpu_kernels.rope(rows.view(2, 2, 4), positions, cos_sin, True).float()
+
+    graph = CpuGraph()
+    graph.capture(forward)
+    assert len(graph._steps) == 1
+    ids.copy_(torch.tensor([9, 0]))
+    table.mul_(2)
+    assert torch.equal(graph.replay(), forward())
+    ids[1] = 10
+    with pytest.raises(ValueError, match="srt::gather_rows: indices hold a row outside"):
+        graph.replay()
+
+
 def test_a_host_read_is_refused_at_capture():
     x = torch.ones(2)
     with pytest.raises(CpuGraphError, match="item"):

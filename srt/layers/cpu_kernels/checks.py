@@ -260,6 +260,7 @@ _INDEX_ERRORS = {
     },
     "rope": {-6: ("positions", "holds a position outside the cos/sin table")},
     "store_kv": {-4: ("loc", "holds a slot outside the KV cache")},
+    "gather_rows": {-7: ("indices", "hold a row outside the table")},
 }
 
 

@@ -81,6 +81,7 @@ static inline void team_share(const struct team *team, int64_t n, int64_t *lo, i
 #define SRT_BAD_SLOT (-4)      /* a slot outside the KV cache */
 #define SRT_BAD_QUERY (-5)     /* extend: a sequence's query rows outside q */
 #define SRT_BAD_POSITION (-6)  /* rope: a position outside the cos/sin table */
+#define SRT_BAD_INDEX (-7)     /* a program's gather: an index outside the table */
 
 /* The request-to-token table as the attention kernels read it: `rows` × `cols` slots, row r at
  * table + r · ld, every slot below `slots` (the KV cache's size). */

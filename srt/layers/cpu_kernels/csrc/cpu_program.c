@@ -60,6 +60,26 @@ static int run_store_kv(const int64_t *a) {
                         a[11], P(12), a[13]);
 }
 
+/* Two steps a decode graph would otherwise leave to PyTorch, which the recorder puts in its
+ * programs (srt.model_executor.cpu_graph): a cast between float32 and bf16, rounded as torch
+ * rounds (put_act), and rows gathered by index (an embedding), every index checked first. */
+static int run_convert(const int64_t *a) { /* from, src, n, to, dst */
+    int from = (int)a[0], to = (int)a[3];
+    if (from == to) memcpy(P(4), P(1), a[2] * (from == T_F32 ? 4 : 2));
+    else if (to == T_F32) widen_acts(from, P(1), a[2], P(4));
+    else narrow_acts(T_BF16, P(1), a[2], P(4));
+    return 0;
+}
+
+static int run_gather_rows(const int64_t *a) { /* table, rows, row bytes, index, n, dst */
+    const int64_t *index = P(3);
+    for (int64_t i = 0; i < a[4]; i++)
+        if (index[i] < 0 || index[i] >= a[1]) return SRT_BAD_INDEX;
+    for (int64_t i = 0; i < a[4]; i++)
+        memcpy((char *)P(5) + i * a[2], (const char *)P(0) + index[i] * a[2], a[2]);
+    return 0;
+}
+
 static const struct {
     const char *name;
     int args;
@@ -73,12 +93,14 @@ static const struct {
     {"srt_rope", 12, run_rope},
     {"srt_select_experts", 16, run_select_experts},
     {"srt_store_kv", 14, run_store_kv},
+    {"convert", 5, run_convert},
+    {"gather_rows", 6, run_gather_rows},
 };
 
 #define NUM_OPS ((int64_t)(sizeof ops / sizeof *ops))
 
-/* The number of the kernel called `name` (srt_...) in a program, or -1 if a program cannot call
- * it; *args is set to its number of arguments. */
+/* The number of the kernel called `name` (srt_..., or one of the two steps above) in a program,
+ * or -1 if a program cannot call it; *args is set to its number of arguments. */
 int64_t srt_program_op(const char *name, int64_t *args) {
     for (int64_t i = 0; i < NUM_OPS; i++)
         if (!strcmp(ops[i].name, name)) {
